@@ -1,0 +1,43 @@
+"""Storage backends.  :func:`open_storage` turns a URI into a backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptd.errors import ConfigError
+from ckptd.storage.base import StorageBackend, check_key
+from ckptd.storage.fsspec_backend import FsspecBackend, LocalBackend
+
+__all__ = ["StorageBackend", "FsspecBackend", "LocalBackend", "open_storage", "check_key"]
+
+
+def open_storage(uri: str, **options: Any) -> StorageBackend:
+    """A backend for ``uri``: ``file:///abs/path``, a plain path, or ``s3://bucket/prefix``.
+
+    ``options`` go to the backend (for S3: ``endpoint_url``, ``key``, ``secret``, ...).
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError(
+            f"storage URI must be a non-empty string like 'file:///ckpt' or 's3://bucket/prefix'; "
+            f"got {uri!r}"
+        )
+    uri = uri.strip()
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        if not path.startswith("/"):
+            raise ConfigError(
+                f"file URI {uri!r} is not absolute: expected 'file:///absolute/path' (three "
+                "slashes). Use an absolute path."
+            )
+        return LocalBackend(path)
+    if uri.startswith("s3://"):
+        from ckptd.storage.s3 import S3Backend
+
+        return S3Backend(uri, **options)
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0]
+        raise ConfigError(
+            f"storage URI scheme {scheme!r} is not supported: expected 'file://' or 's3://' in "
+            f"{uri!r}"
+        )
+    return LocalBackend(uri)

@@ -1,0 +1,258 @@
+"""Storage backends built on fsspec: a generic one, and a local one with fsync."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ckptd.errors import StorageError, StoragePermissionError
+from ckptd.storage.base import Buffer, StorageBackend, check_key
+
+
+def _as_list(data: Buffer | Sequence[Buffer]) -> list[Buffer]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [data]
+    return list(data)
+
+
+class FsspecBackend(StorageBackend):
+    """Any fsspec filesystem below ``root``.
+
+    Subclasses adjust how errors are classified (:meth:`_translate`) and how a call is
+    retried (:meth:`_call`); the default calls once and maps OSErrors to ckptd errors.
+    """
+
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+
+    # -- helpers -------------------------------------------------------------------------
+    def _path(self, key: str) -> str:
+        if key == "":
+            return self.root
+        return f"{self.root}/{check_key(key)}"
+
+    def _translate(self, exc: BaseException, what: str) -> BaseException:
+        if isinstance(exc, FileNotFoundError):
+            return exc
+        if isinstance(exc, PermissionError):
+            return StoragePermissionError(
+                f"{what} in {self.url}: permission denied ({exc}). Check the credentials and "
+                "the bucket or directory permissions."
+            )
+        if isinstance(exc, StorageError):
+            return exc
+        return StorageError(f"{what} in {self.url} failed: {type(exc).__name__}: {exc}")
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated and re-raised
+            raise self._translate(exc, what) from exc
+
+    # -- interface -----------------------------------------------------------------------
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        parts = _as_list(data)
+        blob = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._call(f"writing {key}", self.fs.pipe_file, self._path(key), bytes(blob))
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        path = self._path(key)
+        if start is None and end is None:
+            return self._call(f"reading {key}", self.fs.cat_file, path)
+        return self._call(f"reading {key}", self.fs.cat_file, path, start=start, end=end)
+
+    def exists(self, key: str) -> bool:
+        return bool(self._call(f"checking {key}", self.fs.exists, self._path(key)))
+
+    def size(self, key: str) -> int:
+        return int(self._call(f"stat of {key}", self.fs.size, self._path(key)))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        path = self._path(prefix.strip("/"))
+        try:
+            entries = self._call(f"listing {prefix}", self.fs.ls, path, detail=False)
+        except FileNotFoundError:
+            return []
+        own = path.split("://", 1)[-1].rstrip("/")
+        names = {
+            e.split("://", 1)[-1].rstrip("/").rsplit("/", 1)[-1]
+            for e in entries
+            if e.split("://", 1)[-1].rstrip("/") != own
+        }
+        names.discard("")
+        return sorted(names)
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        path = self._path(prefix.strip("/"))
+        try:
+            found = self._call(f"listing {prefix}", self.fs.find, path, detail=True)
+        except FileNotFoundError:
+            return {}
+        out: dict[str, int] = {}
+        base = self.root.split("://", 1)[-1].rstrip("/") + "/"
+        for full, info in found.items():
+            full = full.split("://", 1)[-1]
+            if info.get("type") == "directory" or not full.startswith(base):
+                continue
+            out[full[len(base):]] = int(info.get("size") or 0)
+        return out
+
+    def delete(self, keys: Iterable[str]) -> None:
+        paths = [self._path(k) for k in keys]
+        if not paths:
+            return
+        try:
+            self._call("deleting objects", self.fs.rm, paths)
+        except FileNotFoundError:
+            pass
+
+
+class LocalBackend(FsspecBackend):
+    """A local (or network-mounted POSIX) directory.
+
+    ``put`` writes a temporary file next to the target, fsyncs it, renames it into place
+    and fsyncs the directory (and every directory it had to create), so a crash leaves
+    either the whole object or none.  A failed fsync raises StorageError and is never
+    retried: after a failed fsync the kernel may have dropped the dirty pages, so a retry
+    that "succeeds" proves nothing.
+    """
+
+    def __init__(self, root: str) -> None:
+        import fsspec
+
+        root = os.path.abspath(root)
+        super().__init__(fsspec.filesystem("file"), root, f"file://{root}")
+        self._dir_lock = threading.Lock()
+        self._known_dirs: set[str] = set()
+
+    def _ensure_dir(self, path: str) -> None:
+        if path in self._known_dirs:
+            return
+        with self._dir_lock:
+            missing = []
+            d = path
+            while not os.path.isdir(d):
+                missing.append(d)
+                parent = os.path.dirname(d)
+                if parent == d:
+                    break
+                d = parent
+            for m in reversed(missing):
+                try:
+                    os.mkdir(m, 0o755)
+                except FileExistsError:
+                    pass
+                _fsync_dir(os.path.dirname(m))
+            self._known_dirs.add(path)
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:
+        path = self._path(key)
+        parent = os.path.dirname(path)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            self._ensure_dir(parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for part in _as_list(data):
+                    view = memoryview(part).cast("B")
+                    while view:
+                        n = os.write(fd, view)
+                        view = view[n:]
+                try:
+                    os.fsync(fd)
+                except OSError as exc:
+                    raise StorageError(
+                        f"fsync of {path} failed ({exc}); the write may not be durable, so this "
+                        "checkpoint is failed. Check the disk and retry the save."
+                    ) from exc
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+        except StorageError:
+            _unlink_quiet(tmp)
+            raise
+        except OSError as exc:
+            _unlink_quiet(tmp)
+            if exc.errno == errno.ENOSPC:
+                raise StorageError(
+                    f"writing {key} in {self.url}: no space left on the device. Free space or "
+                    "remove old checkpoints with `ckptd gc`."
+                ) from exc
+            raise self._translate(exc, f"writing {key}") from exc
+
+    def list_dir(self, prefix: str) -> list[str]:
+        path = self._path(prefix.strip("/"))
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            return []
+        except OSError as exc:
+            raise self._translate(exc, f"listing {prefix}") from exc
+        return sorted(n for n in names if ".tmp-" not in n)
+
+    def list_files(self, prefix: str) -> dict[str, int]:
+        base = self._path(prefix.strip("/"))
+        out: dict[str, int] = {}
+        if os.path.isfile(base):
+            return {prefix.strip("/"): os.path.getsize(base)}
+        for dirpath, _dirs, files in os.walk(base):
+            for f in files:
+                if ".tmp-" in f:
+                    continue
+                full = os.path.join(dirpath, f)
+                out[os.path.relpath(full, self.root).replace(os.sep, "/")] = os.path.getsize(full)
+        return out
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for k in keys:
+            _unlink_quiet(self._path(k))
+
+    def delete_prefix(self, prefix: str) -> int:
+        import shutil
+
+        path = self._path(prefix.strip("/"))
+        n = len(self.list_files(prefix))
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            _fsync_dir(os.path.dirname(path))
+        elif os.path.exists(path):
+            _unlink_quiet(path)
+        with self._dir_lock:
+            self._known_dirs = {d for d in self._known_dirs if not d.startswith(path)}
+        return n
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise StorageError(
+            f"fsync of directory {path} failed ({exc}); new entries may not be durable, so "
+            "this checkpoint is failed. Check the disk and retry the save."
+        ) from exc
+    finally:
+        os.close(fd)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        pass

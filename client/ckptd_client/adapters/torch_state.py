@@ -1,0 +1,287 @@
+"""PyTorch adapter: FSDP2 (``fully_shard``), FSDP1 (sharded state dicts), DDP and plain modules.
+
+Uses ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+``get_optimizer_state_dict`` with ``full_state_dict=False``), which yields clean FQNs and
+the local shards as DTensors (FSDP2), ShardedTensors (FSDP1) or plain tensors (DDP/plain).
+Each becomes a :class:`SaveItem`:
+
+* DTensor: the local region from the mesh coordinates; dims sharded by exactly one mesh
+  dim get a regular chunk grid ``ceil(d / n)`` (``torch.chunk`` semantics), so every rank
+  writes whole chunks; ranks that are replicas along a ``Replicate`` mesh dim (HSDP) write
+  nothing.  Other layouts (e.g. strided shards) are stored as per-rank piece arrays.
+* ShardedTensor: one item per local shard, chunk grid along dim 0.
+* plain tensor: replicated; one rank writes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptd.errors import ConfigError
+from ckptd.format.items import LoadTarget, SaveItem
+from ckptd.format.layout import Region, Shape, dim0_chunk_shape
+from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
+
+
+def _is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(v, DTensor)
+
+
+def _is_sharded_tensor(v: Any) -> bool:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(v, ShardedTensor)
+
+
+def framework_of(model: torch.nn.Module) -> str:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    mods = list(model.modules())
+    if any(isinstance(m, FSDPModule) for m in mods):  # type: ignore[arg-type]
+        return "fsdp2"
+    if any(isinstance(m, FullyShardedDataParallel) for m in mods):
+        return "fsdp1"
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    return "plain"
+
+
+def _dtensor_layout(v: Any) -> tuple[Region, Shape | None, bool]:
+    """(local region, chunk shape or None, whether this rank writes it) of a DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(v.shape)
+    mesh = v.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(v.shape, mesh, v.placements)
+    region = Region(tuple(int(x) for x in offset), tuple(int(x) for x in local_shape))
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    writer = all(
+        c == 0 for c, p in zip(coord, v.placements) if not isinstance(p, Shard)
+    )
+    per_dim: dict[int, list[int]] = {}
+    grid_ok = True
+    for mdim, p in enumerate(v.placements):
+        if type(p) is Shard:
+            per_dim.setdefault(p.dim, []).append(mesh.size(mdim))
+        elif not isinstance(p, Replicate):
+            grid_ok = False  # _StridedShard, Partial: no regular grid
+    chunk: Shape | None = None
+    if grid_ok and all(len(ns) == 1 for ns in per_dim.values()):
+        chunk = tuple(
+            max(1, -(-d // per_dim[i][0])) if i in per_dim else max(1, d)
+            for i, d in enumerate(shape)
+        )
+    return region, chunk, writer
+
+
+def _items_for(name: str, v: Any) -> list[SaveItem]:
+    if _is_dtensor(v):
+        region, chunk, writer = _dtensor_layout(v)
+        local = v.to_local()
+        return [SaveItem(name, tuple(v.shape), v.dtype, local, region, writer=writer,
+                         chunk_shape=chunk)]
+    if _is_sharded_tensor(v):
+        shape = tuple(v.size())
+        pg = getattr(v, "_process_group", None)
+        nshards = len(v.metadata().shards_metadata)
+        writer = True
+        if dist.is_initialized() and pg is not None:
+            # HSDP (FSDP1 hybrid): shard groups are blocks of consecutive ranks; replica 0
+            # (the first block) writes.
+            writer = dist.get_rank() < dist.get_world_size(pg)
+        out = []
+        for sh in v.local_shards():
+            md = sh.metadata
+            region = Region(tuple(md.shard_offsets), tuple(md.shard_sizes))
+            out.append(SaveItem(name, shape, sh.tensor.dtype, sh.tensor, region, writer=writer,
+                                chunk_shape=dim0_chunk_shape(shape, nshards)))
+        return out
+    if isinstance(v, torch.Tensor):
+        return [SaveItem(name, tuple(v.shape), v.dtype, v.detach(), Region.full(v.shape),
+                         replicated=True)]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(
+            f"state entry {name!r} is a {type(v).__name__}; ckptd stores tensors and numbers "
+            "in model/optimizer state. Put other values in `extra=`."
+        )
+    t = torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+    return [SaveItem(name, (), t.dtype, t, Region((), ()), replicated=True)]
+
+
+def _targets_for(name: str, v: Any, out: list[LoadTarget]) -> TensorMeta:
+    if _is_dtensor(v):
+        region, _, _ = _dtensor_layout(v)
+        out.append(LoadTarget(name, tuple(v.shape), v.dtype, v.to_local(), region=region))
+        return TensorMeta(tuple(v.shape), v.dtype)
+    if _is_sharded_tensor(v):
+        shape = tuple(v.size())
+        dtype = None
+        for sh in v.local_shards():
+            md = sh.metadata
+            dtype = sh.tensor.dtype
+            out.append(LoadTarget(name, shape, sh.tensor.dtype, sh.tensor,
+                                  region=Region(tuple(md.shard_offsets), tuple(md.shard_sizes))))
+        return TensorMeta(shape, dtype or v.dtype)
+    if isinstance(v, torch.Tensor):
+        out.append(LoadTarget(name, tuple(v.shape), v.dtype, v, region=Region.full(v.shape)))
+        return TensorMeta(tuple(v.shape), v.dtype)
+    raise ConfigError(f"cannot load state entry {name!r} of type {type(v).__name__}")
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state if it has none yet.
+
+    Takes one step with zero gradients and learning rate 0 (so parameters do not move),
+    then clears the gradients; the checkpoint then overwrites the state it created.
+    """
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    saved_lr = []
+    for g in optimizer.param_groups:
+        saved_lr.append(g.get("lr"))
+        if "lr" in g:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lr):
+            if lr is not None:
+                g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+
+
+def json_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``param_groups`` as JSON values (tuples become lists, tensors become numbers)."""
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.item() if v.numel() == 1 else v.tolist()
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): conv(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return repr(v)
+
+    return [{k: conv(v) for k, v in g.items()} for g in groups]
+
+
+def apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]] | None) -> None:
+    """Restore saved hyperparameters onto live ``param_groups`` by group index."""
+    if not saved:
+        return
+    if len(saved) != len(groups):
+        raise ConfigError(
+            f"the optimizer has {len(groups)} param groups but the checkpoint saved "
+            f"{len(saved)}; build the optimizer with the same groups as the saved run"
+        )
+    for g, s in zip(groups, saved):
+        for k, v in s.items():
+            if k == "params" or k not in g:
+                continue
+            cur = g[k]
+            if isinstance(cur, torch.Tensor):
+                cur.fill_(v) if cur.numel() == 1 else cur.copy_(torch.tensor(v))
+            elif isinstance(cur, tuple):
+                g[k] = tuple(v)
+            else:
+                g[k] = v
+
+
+class TorchAdapter(FrameworkAdapter):
+    framework = "torch"
+
+    @classmethod
+    def matches(cls, model: torch.nn.Module) -> bool:
+        return isinstance(model, torch.nn.Module)
+
+    def save_state(self, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer | None) -> SaveState:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        self.framework = framework_of(model)
+        opts = StateDictOptions(full_state_dict=False)
+        items: list[SaveItem] = []
+        for fqn, v in get_model_state_dict(model, options=opts).items():
+            items += _items_for(f"model/{fqn}", v)
+        groups: list[dict[str, Any]] = []
+        if optimizer is not None:
+            osd = get_optimizer_state_dict(model, optimizer, options=opts)
+            for fqn, state in osd["state"].items():
+                for key, v in state.items():
+                    items += _items_for(f"optim/{fqn}/{key}", v)
+            groups = json_param_groups(osd["param_groups"])
+        return SaveState(items, groups)
+
+    def load_plan(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  available: Mapping[str, TensorMeta]) -> LoadPlan:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        self.framework = framework_of(model)
+        opts = StateDictOptions(full_state_dict=False, strict=False)
+        msd = get_model_state_dict(model, options=opts)
+        targets: list[LoadTarget] = []
+        model_names = {f"model/{k}": _targets_for(f"model/{k}", v, targets)
+                       for k, v in msd.items()}
+        optim_names: dict[str, TensorMeta] = {}
+        osd: dict[str, Any] | None = None
+        scalars: list[tuple[dict, str, torch.Tensor]] = []
+        if optimizer is not None:
+            materialize_optimizer_state(optimizer)
+            osd = get_optimizer_state_dict(model, optimizer, options=opts)
+            for fqn, state in osd["state"].items():
+                for key, v in state.items():
+                    name = f"optim/{fqn}/{key}"
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        holder = torch.tensor(v, dtype=torch.float64 if isinstance(v, float)
+                                              else torch.int64)
+                        scalars.append((state, key, holder))
+                        v = holder
+                    optim_names[name] = _targets_for(name, v, targets)
+
+        def finish(param_groups: list[dict[str, Any]] | None) -> None:
+            set_model_state_dict(model, msd, options=opts)
+            if optimizer is not None and osd is not None:
+                for state, key, holder in scalars:
+                    state[key] = holder.item()
+                set_optimizer_state_dict(model, optimizer, osd, options=opts)
+                apply_hyperparameters(optimizer.param_groups, param_groups)
+
+        return LoadPlan(targets, model_names, optim_names, finish)
+
+
+def numel(shape: Shape) -> int:
+    return math.prod(shape)

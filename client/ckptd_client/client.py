@@ -1,0 +1,438 @@
+"""CheckpointClient: save_async / load / list_steps for FSDP training.
+
+Threads: every public method is called from the training thread.  ``save_async`` extracts
+the local shards (on every rank at the same point: adapters may run collectives), copies
+them into the staging buffer, hands the buffer to the transport and returns a
+:class:`SaveHandle`.  The transport writes in the background (a writer thread in embedded
+mode, the node's daemon otherwise) and runs the commit protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptd.errors import BackpressureError, ConfigError, StateMismatchError
+from ckptd.format import paths
+from ckptd.format.commit import list_steps as _list_steps
+from ckptd.format.commit import read_index, resolve_step
+from ckptd.format.dtypes import dtype_from_name
+from ckptd.format.items import LoadTarget, SaveItem
+from ckptd.format.layout import Region
+from ckptd.format.plan import DEFAULT_PACK_THRESHOLD, plan_rank_save
+from ckptd.format.reader import CheckpointReader
+from ckptd.format.writer import SaveIdentity
+from ckptd_client import extra as extra_state
+from ckptd_client.adapters import TensorMeta, adapter_for
+from ckptd_client.staging import stage
+from ckptd_client.transport.base import Lease, Transport
+
+log = logging.getLogger("ckptd.client")
+
+BACKPRESSURE_POLICIES = ("block", "skip", "error")
+EXTRA_PREFIX = "_extra/"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed (or loaded) checkpoint."""
+
+    job: str
+    step: int
+    attempt: str
+    world_size: int
+    framework: str
+    storage: str
+    nbytes: int = 0
+    extra: Any = None
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+    skipped: bool = False
+
+
+class SaveHandle:
+    """The future of one save.
+
+    ``wait_staged()`` returns once the bytes are staged and handed over (parameters may
+    change); ``result(timeout)`` once the step is committed (or raises the save's error);
+    ``done()`` says whether it has finished either way.  None of these starts work.
+    """
+
+    def __init__(self, step: int, staged: Future, committed: Future) -> None:
+        self.step = step
+        self._staged = staged
+        self._committed = committed
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        self._staged.result(timeout)
+
+    def done(self) -> bool:
+        return self._committed.done()
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        return self._committed.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._committed.exception(timeout)
+
+    def add_done_callback(self, fn: Any) -> None:
+        self._committed.add_done_callback(lambda _f: fn(self))
+
+
+def _done_future(value: Any = None) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _broadcast_str(value: str, group: Any = None) -> str:
+    """Broadcast a short ASCII string from rank 0 as a tensor (no pickle)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    n = 64
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(n, dtype=torch.uint8, device=device)
+    if dist.get_rank(group) == 0:
+        raw = value.encode()[:n]
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+
+
+@dataclass
+class _Counters:
+    saves: int = 0
+    skipped: int = 0
+    failed: int = 0
+    last_error: BaseException | None = None
+    seq: int = 0
+    next_step: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class CheckpointClient:
+    """Save and load sharded training state.
+
+    Exactly one of ``storage`` (embedded mode: this process writes, e.g.
+    ``"file:///ckpt"`` or ``"s3://bucket/prefix"``) or ``daemon`` (``"unix:///run/ckptd/
+    ckptd.sock"``; the node's ``ckptd serve`` writes) must be given; ``CKPTD_STORAGE`` /
+    ``CKPTD_DAEMON`` are used when both are None.  Create it on every rank at the same point
+    (rank 0 broadcasts the launch's attempt id).
+    """
+
+    def __init__(
+        self,
+        job: str,
+        storage: str | None = None,
+        daemon: str | None = None,
+        *,
+        process_group: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        write_concurrency: int = 8,
+        commit_timeout: float | None = 1800.0,
+        backpressure: str = "block",
+        token: str | None = None,
+    ) -> None:
+        self.job = paths.check_job(job)
+        if storage is None and daemon is None:
+            storage = os.environ.get("CKPTD_STORAGE") or None
+            daemon = os.environ.get("CKPTD_DAEMON") or None
+        if (storage is None) == (daemon is None):
+            raise ConfigError(
+                "CheckpointClient needs exactly one of storage=URI (embedded mode, e.g. "
+                "'file:///ckpt') or daemon=ADDRESS (e.g. 'unix:///run/ckptd/ckptd.sock'); got "
+                f"storage={storage!r}, daemon={daemon!r}"
+            )
+        if backpressure not in BACKPRESSURE_POLICIES:
+            raise ConfigError(
+                f"backpressure must be one of {BACKPRESSURE_POLICIES}, got {backpressure!r}"
+            )
+        self.group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.pack_threshold = pack_threshold
+        self.backpressure = backpressure
+        self._counters = _Counters()
+        launch = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+        self.launch_id = _broadcast_str(launch, process_group)
+        self._transport: Transport
+        if storage is not None:
+            from ckptd_client.transport.embedded import EmbeddedTransport
+
+            self._transport = EmbeddedTransport(
+                storage, storage_options=dict(storage_options or {}),
+                write_concurrency=write_concurrency, commit_timeout=commit_timeout)
+        else:
+            from ckptd_client.transport.daemon import DaemonTransport
+
+            self._transport = DaemonTransport(
+                daemon, job=self.job, rank=self.rank, world_size=self.world_size,  # type: ignore[arg-type]
+                token=token, commit_timeout=commit_timeout)
+        self._inflight: list[SaveHandle] = []
+        self._overlap_hooks: list[Any] = []
+
+    # -- saving --------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict[str, Any]:
+        c = self._counters
+        return {"saves": c.saves, "skipped": c.skipped, "failed": c.failed}
+
+    def _next_attempt(self) -> str:
+        with self._counters.lock:
+            self._counters.seq += 1
+            return f"{self.launch_id}.{self._counters.seq}"
+
+    def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> tuple[
+            list[SaveItem], list[dict], Any, str]:
+        adapter = adapter_for(model)
+        state = adapter.save_state(model, optimizer)
+        tensors: list[torch.Tensor] = []
+        doc = {
+            "user": extra_state.encode(extra, tensors, "extra") if extra is not None else None,
+            "rng": extra_state.encode(extra_state.capture_rng(), tensors, "rng"),
+        }
+        items = list(state.items)
+        for i, t in enumerate(tensors):
+            t = t.detach().contiguous()
+            items.append(SaveItem(f"{EXTRA_PREFIX}{self.rank}/{i}", tuple(t.shape), t.dtype, t,
+                                  Region.full(t.shape)))
+        return items, state.param_groups, doc, adapter.framework
+
+    def save_async(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        extra: Any = None,
+        *,
+        overlap: bool = False,
+    ) -> SaveHandle:
+        """Start saving ``model`` (and ``optimizer``, ``extra``) as ``step``.
+
+        Copy mode (default): returns once the state is staged and handed over, so training
+        may change the parameters.  ``overlap=True``: returns at once; the copy runs in the
+        background and the optimizer's next ``step()`` waits for it (a pre-step hook), so
+        no update can change a tensor before it is staged.
+        """
+        if step is None:
+            step = self._counters.next_step
+        paths.check_step(step)
+        self._counters.next_step = step + 1
+        self._counters.saves += 1
+        items, groups, doc, framework = self._collect(model, optimizer, extra)
+        plan = plan_rank_save(items, self.rank, self.world_size, self.pack_threshold)
+        ident = SaveIdentity(self.job, step, self._next_attempt(), self.rank, self.world_size,
+                             framework)
+        lease = self._acquire(plan.nbytes)
+        if lease is None:
+            self._counters.skipped += 1
+            log.warning("ckptd: skipped save of step %d: the previous save is still being "
+                        "written (backpressure=skip; %d skipped so far)", step,
+                        self._counters.skipped)
+            info = CheckpointInfo(self.job, step, ident.attempt, self.world_size, framework,
+                                  self._transport.url, skipped=True)
+            return SaveHandle(step, _done_future(), _done_future(info))
+
+        def do_stage() -> None:
+            try:
+                stage(plan, items, lease.buffer)
+            except BaseException:
+                lease.release()
+                raise
+
+        if not overlap:
+            do_stage()
+            committed = self._transport.submit(ident, plan, lease, doc, groups)
+            handle = SaveHandle(step, _done_future(), committed)
+        else:
+            staged: Future = Future()
+            committed_f: Future = Future()
+
+            def background() -> None:
+                try:
+                    do_stage()
+                except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                    staged.set_exception(exc)
+                    committed_f.set_exception(exc)
+                    return
+                staged.set_result(None)
+                inner = self._transport.submit(ident, plan, lease, doc, groups)
+                inner.add_done_callback(lambda f: _chain(f, committed_f))
+
+            threading.Thread(target=background, name="ckptd-stage", daemon=True).start()
+            handle = SaveHandle(step, staged, committed_f)
+            if optimizer is not None:
+                self._hook_optimizer(optimizer, handle)
+        handle.add_done_callback(self._count_failure)
+        self._inflight = [h for h in self._inflight if not h.done()] + [handle]
+        return handle
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             step: int | None = None, extra: Any = None,
+             timeout: float | None = None) -> CheckpointInfo:
+        """``save_async(...).result(timeout)``."""
+        return self.save_async(model, optimizer, step, extra).result(timeout)
+
+    def _count_failure(self, handle: SaveHandle) -> None:
+        exc = handle.exception()
+        if exc is not None:
+            self._counters.failed += 1
+            self._counters.last_error = exc
+
+    def _acquire(self, nbytes: int) -> Lease | None:
+        lease = self._transport.acquire(nbytes, block=False)
+        if lease is not None:
+            return lease
+        if self.backpressure == "skip":
+            return None
+        if self.backpressure == "error":
+            raise BackpressureError(
+                f"cannot stage {nbytes} bytes: the previous save of this rank is still being "
+                "written and the staging budget is in use (backpressure='error'). Save less "
+                "often, raise the staging budget, or use backpressure='block'/'skip'."
+            )
+        lease = self._transport.acquire(nbytes, block=True)
+        assert lease is not None
+        return lease
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
+        """Make the next optimizer.step() wait until ``handle`` is staged."""
+        holder: dict[str, Any] = {}
+
+        def pre_step(_opt: Any, _args: Any, _kwargs: Any) -> None:
+            holder["h"].remove()
+            handle.wait_staged()
+
+        holder["h"] = optimizer.register_step_pre_hook(pre_step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save started by this client has finished (committed or failed)."""
+        for h in list(self._inflight):
+            try:
+                h.result(timeout)
+            except Exception:  # noqa: BLE001 - errors stay on the handles
+                pass
+
+    # -- loading -------------------------------------------------------------------------
+    def list_steps(self) -> list[int]:
+        """Committed steps of this job, oldest first."""
+        return [s.step for s in _list_steps(self._transport.storage(), self.job) if s.committed]
+
+    def load(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        restore_rng: bool = True,
+    ) -> CheckpointInfo:
+        """Restore the latest committed step (or ``step``) into ``model``/``optimizer``.
+
+        Works at any world size and across frameworks.  With ``strict`` every tensor of
+        the model (and optimizer) must be in the checkpoint with the same shape and dtype,
+        and nothing else may be; otherwise missing tensors keep their values, unexpected
+        ones are ignored, and dtypes are converted.  Shapes must always match.
+        """
+        storage = self._transport.storage()
+        rec = resolve_step(storage, self.job, step)
+        index = read_index(storage, rec)
+        available = {
+            name: TensorMeta(t.shape, dtype_from_name(t.dtype))
+            for name, t in index.tensors.items() if not name.startswith(EXTRA_PREFIX)
+        }
+        adapter = adapter_for(model)
+        plan = adapter.load_plan(model, optimizer, available)
+        expected = dict(plan.model_names)
+        if optimizer is not None:
+            expected.update(plan.optim_names)
+        scope = ("model/", "optim/") if optimizer is not None else ("model/",)
+        missing = sorted(n for n in expected if n not in available)
+        unexpected = sorted(n for n in available if n.startswith(scope) and n not in expected)
+        bad_shape = sorted(
+            f"{n}: checkpoint {list(available[n].shape)}, model {list(m.shape)}"
+            for n, m in expected.items() if n in available and available[n].shape != m.shape)
+        bad_dtype = sorted(
+            f"{n}: checkpoint {available[n].dtype}, model {m.dtype}"
+            for n, m in expected.items() if n in available and available[n].dtype != m.dtype
+            and available[n].shape == m.shape)
+        problems = []
+        if bad_shape:
+            problems.append(("shape mismatches", bad_shape))
+        if strict:
+            problems += [(k, v) for k, v in (("missing from the checkpoint", missing),
+                                             ("unexpected in the checkpoint", unexpected),
+                                             ("dtype mismatches", bad_dtype)) if v]
+        if problems:
+            lines = []
+            for what, names in problems:
+                shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)"
+                                                 if len(names) > 20 else "")
+                lines.append(f"{len(names)} {what}: {shown}")
+            hint = ("" if not strict or bad_shape else
+                    " Pass strict=False to load the matching tensors and keep the rest.")
+            raise StateMismatchError(
+                f"model/optimizer do not match step {rec.step} of job {self.job!r} "
+                f"(saved by {index.framework} at world size {index.world_size}): "
+                + "; ".join(lines) + "." + hint
+            )
+        skip = set(missing) | {n for n in expected if n in available
+                               and available[n].shape != expected[n].shape}
+        targets = [t for t in plan.targets if t.name not in skip]
+        prefix = paths.attempt_prefix(rec.job, rec.step, rec.attempt)
+        reader = CheckpointReader(storage, index, prefix)
+        reader.read_targets(targets)
+        plan.finish(index.param_groups or None)
+
+        mine = self.rank if self.rank in index.extras else 0
+        doc = index.extras.get(mine) or {}
+
+        def tensor_of(rank: int) -> Any:
+            return lambda i: reader.read_region(f"{EXTRA_PREFIX}{rank}/{i}")
+
+        user = extra_state.decode(doc.get("user"), tensor_of(mine))
+        if restore_rng and self.rank in index.extras and doc.get("rng") is not None:
+            extra_state.restore_rng(extra_state.decode(doc["rng"], tensor_of(mine)))
+        self._counters.next_step = rec.step + 1
+        return CheckpointInfo(rec.job, rec.step, rec.attempt, rec.world_size, index.framework,
+                              storage.url, index.total_bytes, user, tuple(missing),
+                              tuple(unexpected))
+
+    def close(self) -> None:
+        """Wait for in-flight saves, then release the transport.  Idempotent."""
+        self.wait()
+        self._transport.close()
+
+    def __enter__(self) -> CheckpointClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _chain(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+__all__ = ["CheckpointClient", "CheckpointInfo", "SaveHandle", "LoadTarget"]

@@ -1,0 +1,111 @@
+"""Extra state (step, RNG states, LR scheduler, GradScaler, user dicts) as JSON + tensors.
+
+:func:`encode` turns a nested value into JSON, moving every tensor (and numpy array) out
+into a list so it can be stored as a tensor; :func:`decode` reverses it.  Nothing is
+pickled.  Supported: None, bool, int, float (incl. nan/inf), str, list, tuple, dict (any
+keys of those scalar types), torch.Tensor, numpy arrays and scalars.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptd.errors import ConfigError
+
+_MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
+
+
+def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        np = None  # type: ignore[assignment]
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, float)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {"__tensor__": len(tensors) - 1}
+    if np is not None and isinstance(obj, np.ndarray):
+        tensors.append(torch.from_numpy(np.ascontiguousarray(obj)).clone())
+        return {"__ndarray__": len(tensors) - 1}
+    if np is not None and isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in _MARKERS for k in obj):
+            return {k: encode(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+        items = []
+        for k, v in obj.items():
+            if k is not None and not isinstance(k, (bool, int, float, str, tuple)):
+                raise ConfigError(
+                    f"extra state key at {path} is a {type(k).__name__}; keys must be str, int, "
+                    "float, bool or tuples of those"
+                )
+            items.append([encode(k, tensors, path), encode(v, tensors, f"{path}[{k!r}]")])
+        return {"__items__": items}
+    raise ConfigError(
+        f"extra state value at {path} is a {type(obj).__name__}, which ckptd cannot store "
+        "without pickle; expected JSON values, tuples, dicts, tensors or numpy arrays. Convert "
+        "it (e.g. call its state_dict()) before saving."
+    )
+
+
+def decode(doc: Any, tensor: Callable[[int], torch.Tensor]) -> Any:
+    if isinstance(doc, list):
+        return [decode(v, tensor) for v in doc]
+    if not isinstance(doc, dict):
+        return doc
+    if "__tensor__" in doc and len(doc) == 1:
+        return tensor(int(doc["__tensor__"]))
+    if "__ndarray__" in doc and len(doc) == 1:
+        return tensor(int(doc["__ndarray__"])).numpy()
+    if "__tuple__" in doc and len(doc) == 1:
+        return tuple(decode(v, tensor) for v in doc["__tuple__"])
+    if "__items__" in doc and len(doc) == 1:
+        out = {}
+        for k, v in doc["__items__"]:
+            key = decode(k, tensor)
+            out[tuple(key) if isinstance(key, list) else key] = decode(v, tensor)
+        return out
+    return {k: decode(v, tensor) for k, v in doc.items()}
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states: torch (CPU and every CUDA device), numpy, python."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        v = state["python"]
+        random.setstate((v[0], tuple(v[1]), v[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"]
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s[0], np.asarray(s[1], dtype=np.uint32), int(s[2]), int(s[3]),
+                             float(s[4])))

@@ -1,0 +1,1 @@
+"""Staging transports: where a rank's staged bytes go (in-process writer, or the daemon)."""
