@@ -96,7 +96,7 @@ def dim0_shard(shape: Sequence[int], world: int, rank: int) -> Region:
         raise ValueError(f"rank {rank} outside world of size {world}")
     shape = tuple(shape)
     if not shape:
-        return Region((), ())
+        raise ValueError("a 0-d tensor cannot be sharded along dim 0")
     c = dim0_chunk_len(shape[0], world)
     lo = min(shape[0], rank * c)
     hi = min(shape[0], (rank + 1) * c)
