@@ -1,0 +1,332 @@
+"""Embedded-mode client on one process: round trips, dtypes, extra state, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ckptd.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    SaveFailedError,
+    StateMismatchError,
+)
+from ckptd.format import paths
+from ckptd_client import CheckpointClient
+
+
+class Mixed(torch.nn.Module):
+    """Parameters and buffers of every dtype training uses."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w32 = torch.nn.Parameter(torch.randn(300, 7, generator=g))
+        self.wbf16 = torch.nn.Parameter(torch.randn(33, 5, generator=g).bfloat16())
+        self.w16 = torch.nn.Parameter(torch.randn(9, generator=g).half())
+        self.register_buffer("i64", torch.randint(-2**40, 2**40, (6,), generator=g))
+        self.register_buffer("i32", torch.randint(-2**20, 2**20, (4, 2), generator=g,
+                                                  dtype=torch.int32))
+        self.register_buffer("mask", torch.rand(11, generator=g) > 0.5)
+        self.register_buffer("f8", torch.randn(5, generator=g).to(torch.float8_e4m3fn))
+        self.register_buffer("scalar", torch.tensor(3.5))
+
+
+def _uri(tmp_path) -> str:
+    return f"file://{tmp_path}"
+
+
+def _equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert torch.equal(sa[k].view(torch.uint8) if sa[k].dtype.itemsize == 1 else sa[k],
+                           sb[k].view(torch.uint8) if sb[k].dtype.itemsize == 1 else sb[k]), k
+
+
+@pytest.mark.parametrize("pack_threshold", [0, 1 << 20])
+def test_every_dtype_round_trips_bit_exact(tmp_path, pack_threshold):
+    src, dst = Mixed(0), Mixed(1)
+    c = CheckpointClient("dtypes", storage=_uri(tmp_path), pack_threshold=pack_threshold)
+    info = c.save_async(src, step=1).result(60)
+    assert info.step == 1 and info.world_size == 1
+    loaded = c.load(dst)
+    assert loaded.step == 1
+    _equal(src, dst)
+    c.close()
+
+
+def test_extra_state_json_tensors_rng(tmp_path):
+    m = Mixed(0)
+    sched_model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(sched_model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    extra = {"sched": sched.state_dict(), "scaler": scaler.state_dict(), "pos": (3, 17),
+             1: "int key", "arr": np.arange(5, dtype=np.int16), "t": torch.arange(3.0),
+             "nested": [{"a": None, "b": float("inf")}]}
+    c = CheckpointClient("extra", storage=_uri(tmp_path))
+    torch.manual_seed(123)
+    random.seed(7)
+    np.random.seed(9)
+    c.save(m, step=5, extra=extra)
+    expect = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    info = c.load(Mixed(2))
+    assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (
+        expect[0].tolist(), expect[1], expect[2])
+    e = info.extra
+    assert e["sched"] == sched.state_dict() and e["scaler"] == scaler.state_dict()
+    assert e["pos"] == (3, 17) and e[1] == "int key" and e["nested"] == extra["nested"]
+    assert e["arr"].dtype == np.int16 and (e["arr"] == np.arange(5)).all()
+    assert torch.equal(e["t"], torch.arange(3.0))
+    sched2 = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(sched_model.parameters(), lr=0.1),
+                                             step_size=3)
+    sched2.load_state_dict(e["sched"])
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    c.close()
+
+
+def test_extra_state_rejects_unstorable_values(tmp_path):
+    c = CheckpointClient("bad-extra", storage=_uri(tmp_path))
+    with pytest.raises(ConfigError, match=r"extra state value at extra.obj is a object"):
+        c.save_async(Mixed(0), step=1, extra={"obj": object()})
+    c.close()
+
+
+def test_latest_and_explicit_step_and_list(tmp_path):
+    m = Mixed(0)
+    c = CheckpointClient("steps", storage=_uri(tmp_path))
+    hs, snaps = [], {}
+    for step in (10, 20, 30):
+        with torch.no_grad():
+            m.w32.add_(1.0)
+        snaps[step] = m.w32.detach().clone()
+        hs.append(c.save_async(m, step=step))
+    assert [h.result(60).step for h in hs] == [10, 20, 30]
+    assert c.list_steps() == [10, 20, 30]
+    dst = Mixed(1)
+    assert c.load(dst).step == 30
+    assert torch.equal(dst.w32, m.w32)
+    c.load(dst, step=10)
+    assert torch.equal(dst.w32, snaps[10])
+    c.close()
+
+
+def test_no_checkpoint_errors(tmp_path):
+    c = CheckpointClient("nothing", storage=_uri(tmp_path))
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint of job 'nothing'"):
+        c.load(Mixed(0))
+    c.save(Mixed(0), step=4)
+    with pytest.raises(CheckpointNotFoundError, match=r"step 5 .* is not committed; committed "
+                                                      r"steps: \[4\]"):
+        c.load(Mixed(0), step=5)
+    c.close()
+
+
+def test_uncommitted_attempt_is_invisible(tmp_path):
+    """A partial attempt (a crashed save) is never loaded; a new save of the same step
+    writes its own attempt and commits it."""
+    c = CheckpointClient("partial", storage=_uri(tmp_path))
+    c.save(Mixed(0), step=1)
+    # a crashed 2-rank save of step 2: rank 0's manifest and a chunk, no rank 1
+    prefix = tmp_path / paths.attempt_prefix("partial", 2, "crashed-attempt")
+    (prefix / "_ranks").mkdir(parents=True)
+    (prefix / "_ranks" / "0.json").write_text("{}")
+    assert c.list_steps() == [1]
+    assert c.load(Mixed(1)).step == 1
+    info = c.save(Mixed(3), step=2)
+    assert info.attempt != "crashed-attempt"
+    assert c.list_steps() == [1, 2]
+    dst = Mixed(4)
+    assert c.load(dst).step == 2
+    _equal(dst, Mixed(3))
+    c.close()
+
+
+def _committed_attempt_dir(tmp_path, job, step):
+    rec = json.loads((tmp_path / paths.committed_key(job, step)).read_text())
+    return tmp_path / paths.attempt_prefix(job, step, rec["attempt"])
+
+
+def test_checksum_mismatch_names_array_and_chunk(tmp_path):
+    c = CheckpointClient("corrupt", storage=_uri(tmp_path), pack_threshold=0)
+    c.save(Mixed(0), step=1)
+    chunk = _committed_attempt_dir(tmp_path, "corrupt", 1) / "model" / "w32" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"checksum mismatch in array 'model/w32' chunk 0\.0"):
+        c.load(Mixed(1))
+    c.close()
+
+
+def test_missing_and_truncated_chunk(tmp_path):
+    c = CheckpointClient("trunc", storage=_uri(tmp_path), pack_threshold=0)
+    c.save(Mixed(0), step=1)
+    chunk = _committed_attempt_dir(tmp_path, "trunc", 1) / "model" / "w32" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-4])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        c.load(Mixed(1))
+    chunk.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing from storage"):
+        c.load(Mixed(1))
+    c.close()
+
+
+@pytest.mark.parametrize("doc", ["COMMITTED", "index.json"])
+def test_unknown_format_version_is_refused(tmp_path, doc):
+    c = CheckpointClient("future", storage=_uri(tmp_path))
+    c.save(Mixed(0), step=1)
+    if doc == "COMMITTED":
+        path = tmp_path / paths.committed_key("future", 1)
+    else:
+        path = _committed_attempt_dir(tmp_path, "future", 1) / "index.json"
+    d = json.loads(path.read_text())
+    d["format_version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(FormatVersionError, match="format_version 99; this ckptd reads "
+                                                 "format_version 1"):
+        c.load(Mixed(1))
+    c.close()
+
+
+class Other(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w32 = torch.nn.Parameter(torch.zeros(300, 8))          # shape differs
+        self.wbf16 = torch.nn.Parameter(torch.zeros(33, 5))         # dtype differs
+        self.extra_param = torch.nn.Parameter(torch.zeros(2))       # missing from ckpt
+        self.register_buffer("i64", torch.zeros(6, dtype=torch.int64))
+
+
+def test_model_mismatch_lists_every_problem_together(tmp_path):
+    c = CheckpointClient("mismatch", storage=_uri(tmp_path))
+    c.save(Mixed(0), step=1)
+    with pytest.raises(StateMismatchError) as ei:
+        c.load(Other())
+    msg = str(ei.value)
+    assert "1 shape mismatches: model/w32: checkpoint [300, 7], model [300, 8]" in msg
+    assert "missing from the checkpoint: model/extra_param" in msg
+    assert "unexpected in the checkpoint: model/f8, model/i32, model/mask, model/scalar, " \
+           "model/w16" in msg
+    assert "dtype mismatches: model/wbf16: checkpoint torch.bfloat16, model torch.float32" in msg
+    # shapes can never be loaded, even with strict=False
+    with pytest.raises(StateMismatchError, match="shape mismatches"):
+        c.load(Other(), strict=False)
+    c.close()
+
+
+def test_strict_false_loads_what_matches(tmp_path):
+    c = CheckpointClient("lenient", storage=_uri(tmp_path))
+    src = Mixed(0)
+    c.save(src, step=1)
+    dst = Other()
+    del dst.w32
+    dst.w32 = torch.nn.Parameter(torch.zeros(300, 7))
+    info = c.load(dst, strict=False)
+    assert info.missing_keys == ("model/extra_param",)
+    assert "model/mask" in info.unexpected_keys
+    assert torch.equal(dst.w32, src.w32)
+    assert torch.equal(dst.wbf16, src.wbf16.float())  # converted
+    assert torch.equal(dst.extra_param, torch.zeros(2))  # untouched
+    c.close()
+
+
+@pytest.mark.parametrize("uri,match", [
+    ("ftp://host/x", "scheme 'ftp' is not supported"),
+    ("file://relative/path", "is not absolute"),
+    ("", "non-empty string"),
+])
+def test_bad_storage_uri(uri, match):
+    with pytest.raises(ConfigError, match=match):
+        CheckpointClient("j", storage=uri)
+
+
+@pytest.mark.parametrize("job", ["../etc", "a/b", "", ".hidden", "x" * 200])
+def test_bad_job_names(tmp_path, job):
+    with pytest.raises(ConfigError, match="job name"):
+        CheckpointClient(job, storage=_uri(tmp_path))
+
+
+def test_failed_save_leaves_nothing_and_keeps_earlier(tmp_path, monkeypatch):
+    """A save whose writes fail is never committed, and the previous step still loads."""
+    c = CheckpointClient("fail", storage=_uri(tmp_path), pack_threshold=0)
+    src = Mixed(0)
+    c.save(src, step=1)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    real_put = c._transport.storage().put
+    calls = {"n": 0}
+
+    def failing_put(key, data):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(5, "Input/output error")
+        return real_put(key, data)
+
+    monkeypatch.setattr(c._transport.storage(), "put", failing_put)
+    with pytest.raises(SaveFailedError, match=r"save of step 2 .* failed and was not committed: "
+                                              r"(OSError|StorageError)"):
+        c.save(Mixed(5), step=2)
+    monkeypatch.setattr(c._transport.storage(), "put", real_put)
+    assert c.list_steps() == [1]
+    # nothing of step 1 changed
+    after_step1 = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")
+                         if "000000000002" not in str(p))
+    assert after_step1 == before
+    dst = Mixed(9)
+    assert c.load(dst).step == 1
+    _equal(dst, src)
+    # the next save works
+    assert c.save(Mixed(6), step=3).step == 3
+    c.close()
+
+
+def test_fsync_failure_fails_the_save(tmp_path, monkeypatch):
+    c = CheckpointClient("fsync", storage=_uri(tmp_path))
+    real = os.fsync
+    state = {"n": 0}
+
+    def bad_fsync(fd):
+        state["n"] += 1
+        if state["n"] == 3:
+            raise OSError(5, "EIO")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", bad_fsync)
+    with pytest.raises(Exception, match="fsync of .* failed"):
+        c.save(Mixed(0), step=1)
+    monkeypatch.setattr(os, "fsync", real)
+    assert c.list_steps() == []
+    c.close()
+
+
+def test_save_and_load_through_zarr_python(tmp_path):
+    """The stored group is readable without ckptd: full parameter values via zarr-python."""
+    import zarr
+
+    src = Mixed(0)
+    c = CheckpointClient("zarr", storage=_uri(tmp_path), pack_threshold=0)
+    c.save(src, step=1)
+    g = zarr.open_group(str(_committed_attempt_dir(tmp_path, "zarr", 1)), mode="r")
+    assert np.array_equal(g["model/w32"][:], src.w32.detach().numpy())
+    raw = g["model/wbf16"][:]
+    assert raw.dtype == np.uint16 and g["model/wbf16"].attrs["ckptd"]["torch_dtype"] == "bfloat16"
+    assert torch.equal(torch.from_numpy(raw.astype(np.int32)).to(torch.int16).view(torch.bfloat16),
+                       src.wbf16.detach())
+    assert np.array_equal(g["model/mask"][:], src.mask.numpy())
+    c.close()
