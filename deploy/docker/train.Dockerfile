@@ -28,7 +28,7 @@ COPY ckptd/ ckptd/
 COPY client/ client/
 # Keep the image's CUDA build of torch: pin the installed version so pip never replaces it.
 RUN python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > /tmp/torch-constraint.txt \
- && pip install --no-cache-dir --constraint /tmp/torch-constraint.txt . \
+ && pip install --no-cache-dir --constraint /tmp/torch-constraint.txt ".[examples]" \
  && python -c "import ckptd_client" \
  && rm -rf /opt/ckptd/src /tmp/torch-constraint.txt
 
