@@ -40,6 +40,7 @@ from ckptd.errors import ConfigError, StateMismatchError
 from ckptd.format.items import FlatView, LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_len, dim0_shard
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
+from ckptd_client.adapters.torch_state import apply_hyperparameters, json_param_groups
 
 _FSDP_MODULE = "fairscale.nn.data_parallel.fully_sharded_data_parallel"
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
@@ -158,7 +159,7 @@ def _optim_fqns(o: _Storage | _Plain) -> list[str]:
     return [v.fqn for v in o.views] if isinstance(o, _Storage) else o.fqns[:1]
 
 
-def _views_json(views: Sequence[_View], prefix: str, suffix: str, dtype: torch.dtype) -> list:
+def _flat_views(views: Sequence[_View], prefix: str, suffix: str, dtype: torch.dtype) -> list:
     return [FlatView(f"{prefix}{v.fqn}{suffix}", v.shape, dtype, v.start) for v in views]
 
 
@@ -347,33 +348,7 @@ def _assign_writers(layout: _Layout, job_world: int) -> None:
             s.writer = writers[id(s.instance)]
 
 
-# --------------------------------------------------------------------------- JSON helpers
-
-_SKIP = object()  # a param-group value JSON cannot hold (left out of the checkpoint)
-
-
-def _to_json(v: Any) -> Any:
-    """A param-group value as JSON; ``_SKIP`` for values JSON cannot hold."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, torch.Tensor):
-        return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, (list, tuple)):
-        out = [_to_json(x) for x in v]
-        return _SKIP if any(x is _SKIP for x in out) else out
-    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-        d = {k: _to_json(x) for k, x in v.items()}
-        return _SKIP if any(x is _SKIP for x in d.values()) else d
-    return _SKIP
-
-
-def _from_json(v: Any, current: Any) -> Any:
-    """A saved hyperparameter, shaped like the optimizer's current value."""
-    if isinstance(current, torch.Tensor):
-        return torch.tensor(v, dtype=current.dtype, device=current.device)
-    if isinstance(current, tuple) and isinstance(v, list):
-        return tuple(v)
-    return v
+# --------------------------------------------------------------------------- helpers
 
 
 def _scalar_tensor(key: str, v: Any) -> torch.Tensor:
@@ -458,7 +433,7 @@ class FairscaleAdapter(FrameworkAdapter):
                     writer=s.writer,
                     chunk_shape=s.chunk_shape(),
                     logical=False,
-                    views=_views_json(s.views + s.aliases, "model/", "", dtype),
+                    views=_flat_views(s.views + s.aliases, "model/", "", dtype),
                 )
             )
         for pl in layout.plains:
@@ -477,16 +452,12 @@ class FairscaleAdapter(FrameworkAdapter):
         param_groups: list[dict[str, Any]] = []
         if optimizer is not None:
             items.extend(self._save_optim(layout, optimizer))
-            for group in optimizer.param_groups:
-                pg: dict[str, Any] = {}
-                for k, v in group.items():
-                    if k == "params":
-                        continue
-                    j = _to_json(v)
-                    if j is not _SKIP:
-                        pg[k] = j
+            groups = optimizer.param_groups
+            param_groups = json_param_groups(
+                [{k: v for k, v in g.items() if k != "params"} for g in groups]
+            )
+            for pg, group in zip(param_groups, groups):
                 pg["params"] = [f for p in group["params"] for f in _optim_fqns(layout.owner(p))]
-                param_groups.append(pg)
         return SaveState(items=items, param_groups=param_groups)
 
     def _save_optim(self, layout: _Layout, optimizer: torch.optim.Optimizer) -> list[SaveItem]:
@@ -518,7 +489,7 @@ class FairscaleAdapter(FrameworkAdapter):
                                 writer=owner.writer,
                                 chunk_shape=owner.chunk_shape(),
                                 logical=False,
-                                views=_views_json(owner.views, "optim/", f"/{key}", v.dtype),
+                                views=_flat_views(owner.views, "optim/", f"/{key}", v.dtype),
                             )
                         )
                     else:
@@ -702,13 +673,12 @@ class FairscaleAdapter(FrameworkAdapter):
         new_state: dict[int, dict[str, Any]],
         param_groups: list[dict[str, Any]] | None,
     ) -> None:
-        sd = optimizer.state_dict()
-        groups = sd["param_groups"]
         if param_groups is not None:
-            if len(param_groups) != len(groups):
+            # Check before installing anything: hyperparameters go by group index.
+            if len(param_groups) != len(optimizer.param_groups):
                 raise StateMismatchError(
                     f"the checkpoint has {len(param_groups)} optimizer param groups, the optimizer "
-                    f"has {len(groups)}; build the optimizer with the same param groups"
+                    f"has {len(optimizer.param_groups)}; build the optimizer with the same groups"
                 )
             for gi, (saved, group) in enumerate(zip(param_groups, optimizer.param_groups)):
                 want = [f for p in group["params"] for f in _optim_fqns(layout.owner(p))]
@@ -721,9 +691,6 @@ class FairscaleAdapter(FrameworkAdapter):
                         f"time (not saved: {missing}, saved but absent: {extra}); build the "
                         "optimizer with the same param groups"
                     )
-                for k, v in saved.items():
-                    if k != "params":
-                        groups[gi][k] = _from_json(v, group.get(k))
         state: dict[int, dict[str, Any]] = {}
         for idx, (_, p) in enumerate(_group_params(optimizer)):
             st = new_state.get(id(p))
@@ -731,7 +698,11 @@ class FairscaleAdapter(FrameworkAdapter):
                 state[idx] = {
                     k: v.value() if isinstance(v, _ScalarSlot) else v for k, v in st.items()
                 }
+        # torch's own loader: state on the parameter's device and dtype by torch's policy
+        # (``step`` kept as is unless capturable/fused).
+        groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
+        apply_hyperparameters(optimizer.param_groups, param_groups)
 
 
 @dataclass(slots=True)
