@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, StateMismatchError
 from ckptd.format.items import LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_shape
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
@@ -194,7 +194,7 @@ def apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, An
     if not saved:
         return
     if len(saved) != len(groups):
-        raise ConfigError(
+        raise StateMismatchError(
             f"the optimizer has {len(groups)} param groups but the checkpoint saved "
             f"{len(saved)}; build the optimizer with the same groups as the saved run"
         )
