@@ -272,8 +272,13 @@ class CheckpointClient:
                     staged.set_exception(exc)
                     committed_f.set_exception(exc)
                     return
+                try:  # staged = copied *and* handed over (the daemon acknowledged it)
+                    inner = self._transport.submit(ident, plan, lease, doc, groups)
+                except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                    staged.set_result(None)
+                    committed_f.set_exception(exc)
+                    return
                 staged.set_result(None)
-                inner = self._transport.submit(ident, plan, lease, doc, groups)
                 inner.add_done_callback(lambda f: _chain(f, committed_f))
 
             threading.Thread(target=background, name="ckptd-stage", daemon=True).start()

@@ -1,0 +1,177 @@
+"""Settings of ``ckptd serve``: command-line flags, each also readable from the environment.
+
+Every flag ``--some-flag`` has the variable ``CKPTD_SOME_FLAG``; a flag on the command line
+wins over the variable, the variable over the default.  This module is the only place the
+daemon reads ``CKPTD_*`` settings, including the test-only hooks at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from ckptd.errors import ConfigError
+
+DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
+MAX_MESSAGE_BYTES = 64 << 20     # gRPC receive/send limit (plans and metadata; data is chunked)
+STREAM_CHUNK_BYTES = 4 << 20     # bytes per SaveStream / ReadObject message
+MAX_CONCURRENT_RPCS = 1024       # includes long-lived WatchSave streams
+MAX_SESSIONS = 4096
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``16GiB`` / ``512MiB`` / ``1e9`` / ``4096`` -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"size {text!r} is invalid: expected a number with an optional unit such as "
+            "16GiB, 512MiB, 8GB or 4096"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _bool_env(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class DaemonConfig:
+    storage: str = ""
+    socket: str = DEFAULT_SOCKET
+    socket_group: str | None = None
+    listen: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token_file: str | None = None
+    staging_bytes: int = 8 << 30
+    shm_dir: str | None = None
+    write_concurrency: int = 8
+    metrics_port: int = 9400
+    keep_last: int | None = None
+    keep_every: int | None = None
+    drain_timeout: float = 600.0
+    log_format: str = "text"
+    # test-only hooks (documented in docs/DAEMON.md; never set them in production)
+    test_write_delay: float = 0.0      # CKPTD_TEST_WRITE_DELAY: seconds to wait before each write
+    test_write_gate: str | None = None  # CKPTD_TEST_WRITE_GATE: wait until this file exists
+    max_message_bytes: int = field(default=MAX_MESSAGE_BYTES)
+
+    def validate(self) -> DaemonConfig:
+        if not self.storage:
+            raise ConfigError(
+                "ckptd serve needs a storage URI: --storage s3://bucket/prefix or "
+                "file:///path (or CKPTD_STORAGE)"
+            )
+        if not self.socket or not os.path.isabs(self.socket):
+            raise ConfigError(f"--socket must be an absolute path, got {self.socket!r}")
+        if len(os.fsencode(self.socket + ".fds")) > 100:
+            raise ConfigError(
+                f"--socket path {self.socket!r} is too long for a Unix socket (at most ~100 "
+                "bytes including the '.fds' suffix); pick a shorter path"
+            )
+        if self.listen:
+            if not (self.tls_cert and self.tls_key and self.token_file):
+                raise ConfigError(
+                    "--listen HOST:PORT (TCP) requires --tls-cert, --tls-key and --token-file: "
+                    "the daemon never serves TCP without TLS and a bearer token"
+                )
+            host, sep, port = self.listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--listen must be HOST:PORT, got {self.listen!r}")
+        if self.staging_bytes < (1 << 20):
+            raise ConfigError(
+                f"--staging-bytes {self.staging_bytes} is too small: at least 1MiB (normally "
+                "the shard bytes of every rank on the node, x1-2)"
+            )
+        if not 1 <= self.write_concurrency <= 1024:
+            raise ConfigError(
+                f"--write-concurrency must be in [1, 1024], got {self.write_concurrency}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        for name in ("keep_last", "keep_every"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.drain_timeout < 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if self.log_format not in ("json", "text"):
+            raise ConfigError(f"--log-format must be json or text, got {self.log_format!r}")
+        return self
+
+    @property
+    def fd_socket(self) -> str:
+        return self.socket + ".fds"
+
+
+# flag name -> (type converter, help)
+_FLAGS: dict[str, tuple[object, str]] = {
+    "storage": (str, "checkpoint storage URI: s3://bucket/prefix or file:///path"),
+    "socket": (str, f"Unix socket path (default {DEFAULT_SOCKET}); its directory is created "
+                    "mode 0750 if missing"),
+    "socket_group": (str, "group (name or gid) allowed to use the socket (default: the "
+                          "daemon's primary group)"),
+    "listen": (str, "also serve TCP on HOST:PORT (requires --tls-cert, --tls-key, "
+                    "--token-file)"),
+    "tls_cert": (str, "PEM server certificate (chain) for --listen"),
+    "tls_key": (str, "PEM private key for --listen"),
+    "token_file": (str, "file holding the bearer token TCP clients must send"),
+    "staging_bytes": (parse_size, "node-wide staging budget, e.g. 16GiB (default 8GiB)"),
+    "shm_dir": (str, "accepted for compatibility; staging segments are memfd-backed and do "
+                     "not live in a directory (see docs/DAEMON.md)"),
+    "write_concurrency": (int, "concurrent object writes (default 8)"),
+    "metrics_port": (int, "Prometheus /metrics port (default 9400; 0 = off)"),
+    "keep_last": (int, "retention after each commit: keep the last K checkpoints"),
+    "keep_every": (int, "retention after each commit: also keep every M-th step"),
+    "drain_timeout": (float, "seconds SIGTERM waits for in-flight saves (default 600)"),
+    "log_format": (str, "json or text (default text)"),
+}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the flags; defaults stay None so :func:`from_args` can tell them apart."""
+    for name, (conv, help_) in _FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict = {"dest": name, "default": None,
+                        "help": f"{help_} [env CKPTD_{name.upper()}]"}
+        if conv is not str:
+            kwargs["type"] = conv
+        if name == "log_format":
+            kwargs["choices"] = ["json", "text"]
+        parser.add_argument(flag, **kwargs)
+
+
+def from_args(args: argparse.Namespace | None = None,
+              env: Mapping[str, str] | None = None) -> DaemonConfig:
+    """The daemon's settings: flags over ``CKPTD_*`` variables over defaults."""
+    env = os.environ if env is None else env
+    cfg = DaemonConfig()
+    for name, (conv, _help) in _FLAGS.items():
+        value = getattr(args, name, None) if args is not None else None
+        if value is None:
+            raw = env.get(f"CKPTD_{name.upper()}")
+            if raw is None or raw == "":
+                continue
+            try:
+                value = conv(raw)  # type: ignore[operator]
+            except ValueError as exc:
+                raise ConfigError(f"CKPTD_{name.upper()}={raw!r} is invalid: {exc}") from None
+        setattr(cfg, name, value)
+    for f in fields(cfg):
+        if f.name == "staging_bytes":
+            cfg.staging_bytes = parse_size(cfg.staging_bytes)
+    delay = env.get("CKPTD_TEST_WRITE_DELAY")
+    if delay:
+        cfg.test_write_delay = float(delay)
+    gate = env.get("CKPTD_TEST_WRITE_GATE")
+    if gate:
+        cfg.test_write_gate = gate
+    return cfg.validate()

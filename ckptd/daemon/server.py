@@ -1,0 +1,334 @@
+"""``ckptd serve``: assemble the daemon and run it until SIGTERM.
+
+Startup: open storage; create the socket directory (mode 0750, group ``--socket-group``)
+under umask 027 and refuse a directory other users can enter; bind the gRPC socket and the
+fd socket under umask 117 (sockets 0660; never chmod after bind); optionally TCP with TLS
+and a bearer token; Prometheus metrics; health SERVING.
+
+Shutdown: the first SIGTERM (or SIGINT) sets health NOT_SERVING, refuses new saves and
+drains in-flight ones (until each was written and had its commit attempt) for up to
+``--drain-timeout`` seconds, then exits 0.  A second SIGTERM, or the timeout, aborts the
+remaining saves -- no manifest or COMMITTED is written after that point -- and exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import hmac
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ckptd import __version__
+from ckptd.daemon import logs
+from ckptd.daemon.budget import ByteBudget
+from ckptd.daemon.config import MAX_CONCURRENT_RPCS, DaemonConfig
+from ckptd.daemon.fdsocket import FdServer
+from ckptd.daemon.metrics import Metrics, serve_metrics
+from ckptd.daemon.pipeline import WritePipeline
+from ckptd.daemon.rpcerrors import trailing_metadata
+from ckptd.daemon.service import Servicer
+from ckptd.daemon.staging import StagingPool
+from ckptd.errors import AuthenticationError, ConfigError
+from ckptd.storage import open_storage
+from ckptd.storage.base import StorageBackend
+from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ckptd.daemon")
+
+SERVICE_NAME = "ckptd.v1.CheckpointService"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+# -- socket directory ------------------------------------------------------------------------
+@contextlib.contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _gid(group: str | None) -> int | None:
+    if group is None or group == "":
+        return None
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--socket-group {group!r} is not a known group") from None
+
+
+def prepare_socket_dir(sock_path: str, group: str | None) -> None:
+    """Create (or check) the socket's directory: only its owner and group may enter."""
+    d = os.path.dirname(sock_path)
+    gid = _gid(group)
+    with umask(0o027):
+        if not os.path.lexists(d):
+            os.makedirs(d, mode=0o750, exist_ok=True)
+            log.info("created socket directory %s (mode 0750)", d)
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"socket directory {d} is not a directory (or is a symlink)")
+        mine = st.st_uid == os.geteuid()
+        if gid is not None and st.st_gid != gid:
+            if not mine:
+                raise ConfigError(f"socket directory {d} is not owned by this user; cannot set "
+                                  f"its group to {group}")
+            os.chown(d, -1, gid)
+        mode = stat.S_IMODE(st.st_mode)
+        want = (mode & ~0o027) | (0o2000 if gid is not None else 0)
+        if mode & 0o007 or (gid is not None and not mode & 0o2000):
+            if not mine:
+                raise ConfigError(
+                    f"socket directory {d} has mode {mode:04o}: every user could reach the "
+                    "daemon. Make it 0750 (group = the users allowed to checkpoint) or use a "
+                    "new directory")
+            os.chmod(d, want)  # the directory, before anything is bound in it
+            log.warning("socket directory %s had mode %04o; set to %04o", d, mode, want)
+
+
+def _clear_stale(path: str, kind: int) -> None:
+    if not os.path.lexists(path):
+        return
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; remove it or pick another --socket")
+    probe = socket.socket(socket.AF_UNIX, kind)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover of a daemon that died
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"another ckptd daemon is already serving on {path}; stop it first or "
+                      "pick another --socket")
+
+
+# -- TCP authentication ----------------------------------------------------------------------
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call except the health service must carry ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        if details.method.startswith(HEALTH_PREFIX):
+            return await continuation(details)
+        got = ""
+        for k, v in details.invocation_metadata or ():
+            if k == "authorization" and isinstance(v, str):
+                got = v
+        if hmac.compare_digest(got.encode(), self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        return _deny(handler, "missing bearer token" if not got else "wrong bearer token")
+
+
+def _deny(handler: Any, why: str) -> Any:
+    msg = (f"{why}: this daemon's TCP port requires `authorization: Bearer <token>` "
+           "(CheckpointClient(token=...) or CKPTD_TOKEN / CKPTD_TOKEN_FILE)")
+
+    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        context.set_trailing_metadata(trailing_metadata(AuthenticationError.__name__, ""))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+    async def abort_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await abort(_request, context)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is None:
+        return None
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort_stream)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    return grpc.stream_stream_rpc_method_handler(abort_stream)
+
+
+# -- retention -------------------------------------------------------------------------------
+def make_retention(cfg: DaemonConfig, storage: StorageBackend,
+                   executor: ThreadPoolExecutor) -> Callable[[str, int], None] | None:
+    if cfg.keep_last is None and cfg.keep_every is None:
+        return None
+    try:
+        from ckptd.tools import gc as gc_tool  # written by the tools work; optional here
+        apply = gc_tool.apply_retention  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        log.warning("retention (--keep-last/--keep-every) is unavailable in this build "
+                    "(ckptd.tools.gc.apply_retention is missing); no checkpoint is deleted. "
+                    "Run `ckptd gc` instead.")
+        return None
+
+    def run(job: str, step: int) -> None:
+        def work() -> None:
+            try:
+                apply(storage, job, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
+            except Exception:  # noqa: BLE001 - retention never fails a save
+                log.exception("retention for job %s after step %d failed", job, step)
+
+        executor.submit(work)
+
+    return run
+
+
+# -- main ------------------------------------------------------------------------------------
+def _grpc_options(cfg: DaemonConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+async def run(cfg: DaemonConfig) -> int:
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(
+        lambda _l, ctx: log.error("unhandled error in the event loop: %s", ctx.get("message"),
+                                  exc_info=ctx.get("exception")))
+    if cfg.shm_dir:
+        log.info("--shm-dir %s ignored: staging segments are sealed memfds (no directory)",
+                 cfg.shm_dir)
+    storage = open_storage(cfg.storage)
+    metrics = Metrics()
+    budget = ByteBudget(cfg.staging_bytes)
+    pool = StagingPool(budget, metrics)
+    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-bg")
+    pipeline = WritePipeline(storage, metrics, write_concurrency=cfg.write_concurrency,
+                             test_write_delay=cfg.test_write_delay,
+                             test_write_gate=cfg.test_write_gate,
+                             on_committed=make_retention(cfg, storage, background))
+    read_pool = ThreadPoolExecutor(max_workers=max(4, cfg.write_concurrency),
+                                   thread_name_prefix="ckptd-read")
+    health_servicer = health.aio.HealthServicer()
+
+    def make_server(local: bool, interceptors: list[Any]) -> grpc.aio.Server:
+        server = grpc.aio.server(options=_grpc_options(cfg), interceptors=interceptors,
+                                 maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        pb_grpc.add_CheckpointServiceServicer_to_server(
+            Servicer(pool, pipeline, storage, local=local, fd_socket=cfg.fd_socket,
+                     read_pool=read_pool, max_message_bytes=cfg.max_message_bytes), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        return server
+
+    prepare_socket_dir(cfg.socket, cfg.socket_group)
+    _clear_stale(cfg.socket, socket.SOCK_STREAM)
+    _clear_stale(cfg.fd_socket, socket.SOCK_SEQPACKET)
+    unix_server = make_server(True, [])
+    fd_server = FdServer(pool, cfg.fd_socket)
+    with umask(0o117):
+        if unix_server.add_insecure_port("unix:" + cfg.socket) == 0:
+            raise ConfigError(f"cannot listen on unix:{cfg.socket}")
+        fd_server.bind()
+        await unix_server.start()
+    fd_server.start()
+    servers = [unix_server]
+    if cfg.listen:
+        assert cfg.tls_cert and cfg.tls_key and cfg.token_file
+        with open(cfg.tls_key, "rb") as f:
+            key = f.read()
+        with open(cfg.tls_cert, "rb") as f:
+            cert = f.read()
+        with open(cfg.token_file) as f:
+            token = f.read().strip()
+        if len(token) < 16:
+            raise ConfigError(f"the token in {cfg.token_file} is shorter than 16 characters; "
+                              "use a long random token (e.g. `openssl rand -hex 32`)")
+        tcp_server = make_server(False, [TokenInterceptor(token)])
+        if tcp_server.add_secure_port(cfg.listen, grpc.ssl_server_credentials([(key, cert)])) == 0:
+            raise ConfigError(f"cannot listen on {cfg.listen}")
+        await tcp_server.start()
+        servers.append(tcp_server)
+    metrics_server = serve_metrics(metrics, cfg.metrics_port) if cfg.metrics_port else None
+
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logs.event(f"ckptd {__version__} serving on unix:{cfg.socket}"
+               + (f" and {cfg.listen} (TLS)" if cfg.listen else ""), event="daemon",
+               state="serving", storage=storage.url, staging_bytes=cfg.staging_bytes,
+               write_concurrency=cfg.write_concurrency, metrics_port=cfg.metrics_port,
+               pid=os.getpid())
+
+    stop = asyncio.Event()
+    abort = asyncio.Event()
+    terms = 0
+
+    def on_signal(signame: str) -> None:
+        nonlocal terms
+        terms += 1
+        if terms == 1:
+            log.info("%s: draining (up to %.0fs); send it again to abort in-flight saves",
+                     signame, cfg.drain_timeout)
+            stop.set()
+        else:
+            log.warning("%s again: aborting in-flight saves", signame)
+            abort.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+
+    async def housekeeping() -> None:
+        while True:
+            await asyncio.sleep(15)
+            pool.expire()
+
+    keeper = loop.create_task(housekeeping())
+    await stop.wait()
+
+    pipeline.accepting = False
+    await health_servicer.enter_graceful_shutdown()
+    logs.event("draining", event="daemon", state="draining", in_flight=pipeline.in_flight)
+    drain = loop.create_task(pipeline.drain(cfg.drain_timeout))
+    aborted = loop.create_task(abort.wait())
+    await asyncio.wait([drain, aborted], return_when=asyncio.FIRST_COMPLETED)
+    if not (drain.done() and drain.result()):
+        n = pipeline.abort()
+        logs.event(f"aborted {n} in-flight saves; they will not commit", logging.WARNING,
+                   event="daemon", state="aborted", aborted=n)
+        sys.stderr.flush()
+        os._exit(1)  # worker threads may be blocked in storage calls; do not wait for them
+    aborted.cancel()
+    keeper.cancel()
+    await fd_server.close()
+    for s in servers:
+        await s.stop(grace=2.0)
+    if metrics_server is not None:
+        with contextlib.suppress(Exception):
+            metrics_server.shutdown()  # type: ignore[attr-defined]
+    pipeline.close()
+    pool.close()
+    read_pool.shutdown(wait=False, cancel_futures=True)
+    background.shutdown(wait=True)
+    storage.close()
+    logs.event("stopped", event="daemon", state="stopped")
+    return 0
+
+
+def serve(cfg: DaemonConfig, verbose: bool = False) -> int:
+    logs.setup(cfg.log_format, verbose)
+    try:
+        return asyncio.run(run(cfg))
+    except ConfigError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"ckptd serve could not start: {exc}") from exc
