@@ -188,22 +188,29 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StatObject(self, request, context):
-        """Read-only storage access for load, restricted to keys below the request's job (`<job>` or
-        `<job>/...`).  Deadline 60 s (ReadObject: 10 min).  Idempotent.
-        INVALID_ARGUMENT: bad job name, unsafe key or key outside the job; NOT_FOUND: no object.
+        """Read-only storage access for load (StatObject, ListObjects, ReadObject) is restricted to
+        keys below the request's job (`<job>` or `<job>/...`): a client names its job and reads
+        only that job's objects; the daemon owns the storage credentials.
+
+        StatObject: whether an object exists and its size.  Deadline 60 s.  Idempotent
+        (read-only).  INVALID_ARGUMENT: bad job name, unsafe key or key outside the job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListObjects(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """ListObjects: names directly below a prefix, or every object below it with sizes.
+        Deadline 60 s.  Idempotent (read-only).  INVALID_ARGUMENT as StatObject.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReadObject(self, request, context):
-        """Bytes [start, end) of an object (as StorageBackend.get), in messages of at most 4 MiB.
+        """ReadObject: bytes [start, end) of an object (as StorageBackend.get), in messages of at
+        most 4 MiB.  Deadline 10 min.  Idempotent (read-only).  INVALID_ARGUMENT as StatObject;
+        NOT_FOUND (CheckpointNotFoundError): no such object.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,66 @@
+"""`ckptd serve` settings: flags, CKPTD_* variables, sizes, and refusals."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from ckptd.daemon.config import DEFAULT_SOCKET, add_serve_arguments, from_args, parse_size
+from ckptd.errors import ConfigError
+
+
+def parse(argv, env=None):
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return from_args(p.parse_args(argv), env or {})
+
+
+def test_sizes():
+    assert parse_size("16GiB") == 16 << 30
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("8GB") == 8 * 10**9
+    assert parse_size("4096") == 4096
+    assert parse_size("1.5GiB") == 3 << 29
+    for bad in ("", "GiB", "12 parsecs", "-1"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
+def test_defaults_env_and_flag_precedence():
+    cfg = parse(["--storage", "file:///x"])
+    assert cfg.socket == DEFAULT_SOCKET and cfg.staging_bytes == 8 << 30
+    assert cfg.write_concurrency == 8 and cfg.metrics_port == 9400 and cfg.drain_timeout == 600
+    env = {"CKPTD_STORAGE": "s3://b/p", "CKPTD_STAGING_BYTES": "16GiB",
+           "CKPTD_WRITE_CONCURRENCY": "3", "CKPTD_KEEP_LAST": "5", "CKPTD_LOG_FORMAT": "json",
+           "CKPTD_SOCKET": "/run/x/y.sock", "CKPTD_METRICS_PORT": "0"}
+    cfg = parse([], env)
+    assert (cfg.storage, cfg.staging_bytes, cfg.write_concurrency, cfg.keep_last,
+            cfg.log_format, cfg.socket, cfg.metrics_port) == (
+        "s3://b/p", 16 << 30, 3, 5, "json", "/run/x/y.sock", 0)
+    cfg = parse(["--staging-bytes", "1GiB", "--write-concurrency", "2"], env)
+    assert cfg.staging_bytes == 1 << 30 and cfg.write_concurrency == 2
+    assert cfg.test_write_delay == 0 and cfg.test_write_gate is None
+    cfg = parse([], dict(env, CKPTD_TEST_WRITE_DELAY="1.5", CKPTD_TEST_WRITE_GATE="/tmp/g"))
+    assert cfg.test_write_delay == 1.5 and cfg.test_write_gate == "/tmp/g"
+
+
+@pytest.mark.parametrize("argv,match", [
+    ([], "storage"),
+    (["--storage", "file:///x", "--listen", "0.0.0.0:7000"], "TLS"),
+    (["--storage", "file:///x", "--listen", "nope", "--tls-cert", "c", "--tls-key", "k",
+      "--token-file", "t"], "HOST:PORT"),
+    (["--storage", "file:///x", "--socket", "relative.sock"], "absolute"),
+    (["--storage", "file:///x", "--socket", "/" + "x" * 120], "too long"),
+    (["--storage", "file:///x", "--staging-bytes", "1000"], "too small"),
+    (["--storage", "file:///x", "--write-concurrency", "0"], "write-concurrency"),
+    (["--storage", "file:///x", "--keep-last", "0"], "keep-last"),
+])
+def test_refusals(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(argv)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="CKPTD_WRITE_CONCURRENCY"):
+        parse([], {"CKPTD_STORAGE": "file:///x", "CKPTD_WRITE_CONCURRENCY": "many"})

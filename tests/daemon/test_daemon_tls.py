@@ -1,0 +1,85 @@
+"""TCP: TLS only, bearer token checked; a remote client streams its bytes (no shared
+memory) and loads through the daemon; a wrong or missing token is refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import grpc
+import pytest
+import torch
+from daemon_helpers import error_class
+from distributed import free_port
+
+from ckptd.daemon.cli import check_health
+from ckptd.errors import AuthenticationError
+from ckptd.v1 import ckptd_pb2 as pb
+from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
+from ckptd_client import CheckpointClient
+
+
+def _self_signed(d: str) -> tuple[str, str]:
+    key, cert = os.path.join(d, "key.pem"), os.path.join(d, "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key,
+                    "-out", cert, "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.mark.slow
+def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypatch):
+    cert, key = _self_signed(str(tmp_path))
+    token_file = tmp_path / "token"
+    token = "t0k3n-" + os.urandom(16).hex()
+    token_file.write_text(token + "\n")
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    d = daemons.start(extra_args=("--listen", addr, "--tls-cert", cert, "--tls-key", key,
+                                  "--token-file", str(token_file)))
+    monkeypatch.setenv("CKPTD_TLS_CA", cert)
+
+    # health needs no token (probes); it is still TLS
+    with open(cert, "rb") as f:
+        ca = f.read()
+    assert check_health(addr, tls_ca=ca, secure=True) == "SERVING"
+    # plaintext TCP is not served
+    assert check_health(addr, secure=False, timeout=3) != "SERVING"
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    client = CheckpointClient("remote", daemon=addr, token=token)
+    assert not client._transport.local
+    info = client.save_async(m, optimizer=opt, step=5, extra={"k": 1}).result(60)
+    assert info.step == 5
+    assert client.list_steps() == [5]
+    m2 = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+    opt2 = torch.optim.AdamW(m2.parameters())
+    assert client.load(m2, optimizer=opt2).extra == {"k": 1}
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    client.close()
+
+    with pytest.raises(AuthenticationError, match="wrong bearer token"):
+        CheckpointClient("remote", daemon=addr, token="not-the-token")
+    monkeypatch.delenv("CKPTD_TOKEN", raising=False)
+    monkeypatch.delenv("CKPTD_TOKEN_FILE", raising=False)
+    with pytest.raises(AuthenticationError, match="missing bearer token"):
+        CheckpointClient("remote", daemon=addr)
+    # raw: every RPC kind is refused without the token
+    channel = grpc.secure_channel(addr, grpc.ssl_channel_credentials(ca))
+    stub = pb_grpc.CheckpointServiceStub(channel)
+    for call, req in ((stub.ListSteps, pb.ListStepsRequest(job="remote")),
+                      (stub.ReadObject, pb.ReadObjectRequest(job="remote", key="remote/x"))):
+        with pytest.raises(grpc.RpcError) as ei:
+            r = call(req, timeout=10, metadata=(("authorization", "Bearer nope"),))
+            if not isinstance(r, pb.ListStepsResponse):
+                list(r)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert error_class(ei.value) == "AuthenticationError"
+    channel.close()
+    assert check_health("unix:" + d.socket) == "SERVING"
