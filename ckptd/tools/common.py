@@ -1,0 +1,244 @@
+"""Shared helpers of the operator tools: ``URI/JOB`` parsing, object ages, output.
+
+Tools print tables on a terminal (rich) and JSON with ``--json``; progress bars go to
+stderr and only when stderr is a terminal and ``--json`` is off.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd.errors import ConfigError
+from ckptd.format import paths
+from ckptd.storage import open_storage
+from ckptd.storage.base import StorageBackend
+
+# --------------------------------------------------------------------------- URIs
+
+
+def split_job_uri(uri: str) -> tuple[str, str]:
+    """``URI/JOB`` -> (storage URI, job): the last path component is the job.
+
+    ``file:///ckpt/myjob`` -> (``file:///ckpt``, ``myjob``); ``s3://bucket/prefix/myjob``
+    -> (``s3://bucket/prefix``, ``myjob``); ``/ckpt/myjob`` or ``ckpt/myjob`` -> (that
+    directory, ``myjob``).
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise ConfigError("expected URI/JOB, e.g. file:///ckpt/myjob or s3://bucket/prefix/myjob")
+    u = uri.strip().rstrip("/")
+    if u.startswith("s3://"):
+        rest = u[len("s3://"):]
+        if "/" not in rest:
+            raise ConfigError(
+                f"{uri!r} names a bucket but no job: expected s3://bucket[/prefix]/JOB"
+            )
+        base, job = rest.rsplit("/", 1)
+        root = f"s3://{base}"
+    elif u.startswith("file://"):
+        path = u[len("file://"):]
+        if not path.startswith("/"):
+            raise ConfigError(
+                f"file URI {uri!r} is not absolute: expected file:///absolute/path/JOB"
+            )
+        base, job = path.rsplit("/", 1)
+        root = f"file://{base or '/'}"
+    elif "://" in u:
+        raise ConfigError(
+            f"storage URI scheme {u.split('://', 1)[0]!r} is not supported in {uri!r}: expected "
+            "file:// or s3://"
+        )
+    else:
+        base, _, job = u.rpartition("/") if "/" in u else ("", "", u)
+        root = os.path.abspath(base or ".") if not u.startswith("/") or base else "/"
+    if not job:
+        raise ConfigError(f"{uri!r} has no job name: expected URI/JOB")
+    try:
+        paths.check_job(job)
+    except ConfigError as exc:
+        raise ConfigError(f"in {uri!r}: {exc}") from None
+    return root, job
+
+
+def open_job(uri: str) -> tuple[StorageBackend, str]:
+    root, job = split_job_uri(uri)
+    return open_storage(root), job
+
+
+# --------------------------------------------------------------------------- listing with ages
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    size: int
+    mtime: float | None  # seconds since the epoch; None if the backend cannot tell
+
+
+def list_objects(storage: StorageBackend, prefix: str) -> dict[str, ObjectInfo]:
+    """Every object below ``prefix`` with its size and modification time.
+
+    The storage interface has no modification times, so this looks at the backend: a local
+    directory is stat'ed, an S3 listing carries ``LastModified``; other backends report
+    ``mtime=None`` (which ``gc`` treats as "too young to delete").
+    """
+    from ckptd.storage.fsspec_backend import FsspecBackend, LocalBackend
+
+    if isinstance(storage, LocalBackend):
+        base = os.path.join(storage.root, prefix.strip("/")) if prefix.strip("/") else storage.root
+        out: dict[str, ObjectInfo] = {}
+        if os.path.isfile(base):
+            st = os.stat(base)
+            return {prefix.strip("/"): ObjectInfo(st.st_size, st.st_mtime)}
+        for dirpath, _dirs, files in os.walk(base):
+            for f in files:
+                if ".tmp-" in f:
+                    continue
+                full = os.path.join(dirpath, f)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                rel = os.path.relpath(full, storage.root).replace(os.sep, "/")
+                out[rel] = ObjectInfo(st.st_size, st.st_mtime)
+        return out
+    s3_list = getattr(storage, "_list", None)
+    s3_dir = getattr(storage, "_dir", None)
+    s3_rel = getattr(storage, "_rel", None)
+    s3_run = getattr(storage, "_run", None)
+    if s3_list and s3_dir and s3_rel and s3_run:
+        objects, _ = s3_run(s3_list, s3_dir(prefix), False)
+        out = {}
+        for o in objects:
+            if o["Key"].endswith("/"):
+                continue
+            lm = o.get("LastModified")
+            mtime = lm.timestamp() if isinstance(lm, _dt.datetime) else None
+            out[s3_rel(o["Key"])] = ObjectInfo(int(o.get("Size") or 0), mtime)
+        return out
+    if isinstance(storage, FsspecBackend):
+        path = f"{storage.root}/{prefix.strip('/')}".rstrip("/")
+        try:
+            found = storage.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        base = storage.root.split("://", 1)[-1].rstrip("/") + "/"
+        out = {}
+        for full, info in found.items():
+            full = full.split("://", 1)[-1]
+            if info.get("type") == "directory" or not full.startswith(base):
+                continue
+            m = info.get("mtime", info.get("LastModified", info.get("created")))
+            if isinstance(m, _dt.datetime):
+                m = m.timestamp()
+            out[full[len(base):]] = ObjectInfo(int(info.get("size") or 0),
+                                               float(m) if isinstance(m, (int, float)) else None)
+        return out
+    return {k: ObjectInfo(v, None) for k, v in storage.list_files(prefix).items()}
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def human_bytes(n: float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit}" if s < 10 * size else f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def parse_duration(text: str) -> float:
+    """``3600``, ``90s``, ``30m``, ``1h``, ``2d`` -> seconds."""
+    t = str(text).strip().lower()
+    mult = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if t and t[-1] in mult:
+            v = float(t[:-1]) * mult[t[-1]]
+        else:
+            v = float(t)
+    except ValueError:
+        raise ConfigError(
+            f"duration {text!r} is invalid: expected seconds or a number with s/m/h/d, e.g. 1h"
+        ) from None
+    if v < 0:
+        raise ConfigError(f"duration {text!r} is negative")
+    return v
+
+
+def print_json(doc: Any) -> None:
+    json.dump(doc, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def print_table(title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+                *, right: Iterable[str] = ()) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    right = set(right)
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for c in columns:
+        table.add_column(c, justify="right" if c in right else "left", overflow="fold")
+    for r in rows:
+        table.add_row(*("" if v is None else str(v) for v in r))
+    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def print_lines(lines: Iterable[str]) -> None:
+    for line in lines:
+        print(line)
+
+
+class _Advance:
+    """``advance(n)`` adds n bytes; ``advance.set_total(n)`` sets the total."""
+
+    def __init__(self, prog: Any = None, task: Any = None) -> None:
+        self._prog, self._task = prog, task
+
+    def __call__(self, n: int) -> None:
+        if self._prog is not None:
+            self._prog.advance(self._task, n)
+
+    def set_total(self, n: int) -> None:
+        if self._prog is not None:
+            self._prog.update(self._task, total=n)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, enabled: bool) -> Iterator[_Advance]:
+    """A bytes progress bar on stderr (only if ``enabled`` and stderr is a terminal)."""
+    if not enabled or not sys.stderr.isatty():
+        yield _Advance()
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=False) as prog:
+        yield _Advance(prog, prog.add_task(description, total=total or None))
