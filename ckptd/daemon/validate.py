@@ -9,6 +9,7 @@ the rest makes sure the writer cannot fail half-way on a malformed plan.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -58,10 +59,16 @@ def _array_name(name: object, what: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=64)
+def _known_dtype(name: str) -> tuple[Any, int]:
+    dt = dtype_from_name(name)
+    return dt, itemsize(dt)
+
+
 def _dtype(name: str, what: str) -> Any:
     try:
-        return dtype_from_name(name)
-    except CkptdError:
+        return _known_dtype(name)[0]
+    except (CkptdError, TypeError):
         raise StagingError(f"{what}: unknown dtype {name!r}") from None
 
 
@@ -93,10 +100,10 @@ def plan(plan_json: bytes, buffer_size: int) -> RankPlan:
     for name, a in p.arrays.items():
         what = f"array {name!r}"
         _array_name(name, what)
-        dt = _dtype(a.dtype, what)
+        _dtype(a.dtype, what)
         _shape(a.shape, what)
         _shape(a.chunk_shape, what, positive=True)
-        chunk_bytes = math.prod(a.chunk_shape) * itemsize(dt)
+        chunk_bytes = math.prod(a.chunk_shape) * _known_dtype(a.dtype)[1]
         for cid, c in a.chunks.items():
             if name not in p.packs and c.nbytes != chunk_bytes:
                 raise StagingError(f"{what} chunk {cid}: {c.nbytes} bytes, but its chunk shape "

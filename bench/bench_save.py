@@ -1,0 +1,315 @@
+"""Save benchmark: ckptd daemon vs torch.distributed.checkpoint.async_save (one run, one
+process group).
+
+    python bench/bench_save.py                       # 2 ranks, FSDP2 + AdamW, >= 0.25 GB/rank
+    python bench/bench_save.py --dim 1024 --layers 4 --reps 3   # smaller and quicker
+
+The launcher starts a real ``ckptd serve`` (file:// storage under --root), spawns
+``--world`` gloo ranks (FSDP2, AdamW), and in that one process group times, per rank and
+repetition (after --warmup unmeasured ones; the table shows medians over repetitions of
+the slowest rank):
+
+* ``floor``      -- a plain copy of the rank's state bytes into an already-touched buffer;
+* ``dcp``        -- ``dcp.async_save`` with its default stager (fresh CPU copies per save);
+* ``dcp-reuse``  -- ``dcp.async_save`` with one ``DefaultStager(StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False,
+                    use_non_blocking_copy=cuda))`` reused across saves (cached storages);
+* ``ckptd-copy`` -- ``client.save_async(model, optimizer=opt)`` through the daemon;
+* ``ckptd-overlap`` -- ``save_async(..., overlap=True)`` followed by forward/backward; the
+                    stall is the call plus the wait of the next ``optimizer.step()``.
+
+"stall" is the time from the call until the training loop may go on (for DCP this includes
+building the state dict, which the loop must do; ckptd's call includes its own state
+extraction).  "commit" is the time from the call until the checkpoint is durable and
+committed.  Persist throughput is the bytes of all ranks over (commit - stall), compared
+with ``dd if=/dev/zero of=F bs=64M count=N conv=fsync`` of the same size on the same disk.
+The daemon's peak RSS (VmHWM) is compared with its staging budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VARIANTS = ("floor", "dcp", "dcp-reuse", "ckptd-copy", "ckptd-overlap")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--dim", type=int, default=2048, help="width of each Linear layer")
+    p.add_argument("--layers", type=int, default=11,
+                   help="Linear(dim, dim) layers (default 11 x 2048^2: ~0.28 GB/rank with AdamW)")
+    p.add_argument("--batch", type=int, default=256, help="rows per forward/backward")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--root", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--staging-bytes", default=None,
+                   help="daemon staging budget (default: 2 segments per rank, rounded)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    return p.parse_args(argv)
+
+
+# -- ranks -----------------------------------------------------------------------------------
+class Stack(torch.nn.Module):
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's local tensors of the state (local shards of params and optimizer states)."""
+    out = []
+    for p in model.parameters():
+        out.append(p.to_local() if hasattr(p, "to_local") else p)
+        for v in opt.state[p].values():
+            if isinstance(v, torch.Tensor):
+                out.append(v.to_local() if hasattr(v, "to_local") else v)
+    return [t.detach() for t in out]
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, address: str,
+              root: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptd_client import CheckpointClient
+
+    torch.manual_seed(0)
+    model = Stack(args.dim, args.layers)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+
+    def fwd_bwd() -> None:
+        model(x).square().mean().backward()
+
+    def train_step() -> None:
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad()
+
+    train_step()
+    local = _state_bytes(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in local)
+    floor_buf = torch.empty(nbytes, dtype=torch.uint8)
+    floor_buf.zero_()  # touched once, reused
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's background collectives stay off training's
+    cuda = torch.cuda.is_available()
+    reuse_stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                use_async_staging=False,
+                                                use_non_blocking_copy=cuda))
+    client = CheckpointClient("bench", daemon=address)
+    results: dict[str, dict[str, list[float]]] = {}
+    step = 0
+
+    def dcp_state() -> dict[str, Any]:
+        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+    for variant in args.variants.split(","):
+        res = results.setdefault(variant, {"stall": [], "commit": [], "fwd_bwd": []})
+        for i in range(args.warmup + args.reps):
+            step += 1
+            train_step()
+            dist.barrier()
+            t0 = time.perf_counter()
+            if variant == "floor":
+                off = 0
+                for t in local:
+                    n = t.numel() * t.element_size()
+                    floor_buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+                    off += n
+                stall = commit = time.perf_counter() - t0
+            elif variant in ("dcp", "dcp-reuse"):
+                ckpt = os.path.join(root, "dcp", f"{variant}-{i}")
+                kw = {"async_stager": reuse_stager} if variant == "dcp-reuse" else {}
+                fut = dcp.async_save(dcp_state(), checkpoint_id=ckpt, process_group=dcp_pg, **kw)
+                stall = time.perf_counter() - t0
+                upload = getattr(fut, "upload_completion", fut)
+                upload.result()
+                commit = time.perf_counter() - t0
+            elif variant == "ckptd-copy":
+                h = client.save_async(model, optimizer=opt, step=step)
+                stall = time.perf_counter() - t0
+                h.result(600)
+                commit = time.perf_counter() - t0
+            elif variant == "ckptd-overlap":
+                h = client.save_async(model, optimizer=opt, step=step, overlap=True)
+                call = time.perf_counter() - t0
+                tf = time.perf_counter()
+                fwd_bwd()                       # the loop goes on while the copy runs
+                res["fwd_bwd"].append(time.perf_counter() - tf)
+                tw = time.perf_counter()
+                h.wait_staged()                 # what the next optimizer.step() waits for
+                stall = call + (time.perf_counter() - tw)
+                opt.step()
+                opt.zero_grad()
+                h.result(600)
+                commit = time.perf_counter() - t0
+            else:
+                raise SystemExit(f"unknown variant {variant!r}")
+            dist.barrier()
+            if i >= args.warmup:
+                res["stall"].append(stall)
+                res["commit"].append(commit)
+            if rank == 0:  # keep the disk small: drop what was just measured
+                shutil.rmtree(os.path.join(root, "dcp"), ignore_errors=True)
+                shutil.rmtree(os.path.join(root, "store", "bench"), ignore_errors=True)
+            dist.barrier()
+    client.close()
+    reuse_stager.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"nbytes": nbytes, "results": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- launcher --------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dd(path: str, nbytes: int) -> tuple[float, int]:
+    count = max(1, -(-nbytes // (64 << 20)))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}",
+                    "conv=fsync"], check=True, capture_output=True)
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return count * (64 << 20) / dt, count
+
+
+def _vm(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        m = re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) * 1024 if m else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client"))
+    from ckptd.daemon.segments import segment_size
+    from ckptd.daemon.testing import start_daemon
+
+    root = args.root or tempfile.mkdtemp(prefix="ckptd-bench-")
+    os.makedirs(root, exist_ok=True)
+    run_dir = tempfile.mkdtemp(prefix="ckb-", dir="/tmp")
+    per_rank_est = (args.dim * args.dim + args.dim) * args.layers * 4 * 3 // args.world
+    staging = args.staging_bytes or str(2 * args.world * segment_size(per_rank_est + (8 << 20)))
+    daemon = start_daemon(f"file://{root}/store", os.path.join(run_dir, "s", "ckptd.sock"),
+                          staging_bytes=staging, write_concurrency=8,
+                          log_path=os.path.join(root, "daemon.log"))
+    out_dir = tempfile.mkdtemp(prefix="ckptd-bench-out-")
+    try:
+        baseline_rss = _vm(daemon.pid, "VmRSS")
+        mp.start_processes(rank_main, args=(args.world, _free_port(), args, daemon.address,
+                                            root, out_dir),
+                           nprocs=args.world, join=True, start_method="spawn")
+        peak_rss = _vm(daemon.pid, "VmHWM")
+    finally:
+        daemon.stop()
+    ranks = []
+    for r in range(args.world):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            ranks.append(json.load(f))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    total = sum(r["nbytes"] for r in ranks)
+    dd_runs = [_dd(os.path.join(root, "dd.bin"), total) for _ in range(3)]
+    dd_rate, dd_count = statistics.median(r[0] for r in dd_runs), dd_runs[0][1]
+
+    def med(variant: str, key: str) -> float:
+        per_rep = zip(*(r["results"][variant][key] for r in ranks))
+        return statistics.median(max(vals) for vals in per_rep)
+
+    variants = [v for v in args.variants.split(",")]
+    table = {v: {"stall": med(v, "stall"), "commit": med(v, "commit")} for v in variants}
+    if "ckptd-overlap" in variants:
+        table["ckptd-overlap"]["fwd_bwd"] = med("ckptd-overlap", "fwd_bwd")
+    print(f"\nckptd save benchmark: world {args.world}, FSDP2 {args.layers} x Linear({args.dim}) "
+          f"+ AdamW, {ranks[0]['nbytes'] / 1e9:.3f} GB/rank, {total / 1e9:.3f} GB total; "
+          f"medians of {args.reps} reps (slowest rank), {args.warmup} warmup")
+    print(f"{'variant':15s} {'stall s':>9s} {'commit s':>9s} {'persist GB/s':>13s}")
+    for v in variants:
+        t = table[v]
+        persist = "" if v == "floor" else f"{total / max(1e-9, t['commit'] - t['stall']) / 1e9:13.2f}"
+        t["persist_gbps"] = 0.0 if v == "floor" else total / max(1e-9, t["commit"] - t["stall"]) / 1e9
+        print(f"{v:15s} {t['stall']:9.3f} {t['commit']:9.3f} {persist}")
+    print(f"dd bs=64M count={dd_count} conv=fsync: {dd_rate / 1e9:.2f} GB/s (median of 3: "
+          + ", ".join(f"{r[0] / 1e9:.2f}" for r in dd_runs) + ")")
+    if "ckptd-overlap" in variants:
+        print("(ckptd-overlap: commit includes the forward/backward that ran meanwhile, "
+              f"{table['ckptd-overlap']['fwd_bwd']:.3f} s)")
+    summary: dict[str, Any] = {"table": table, "dd_gbps": dd_rate / 1e9, "total_bytes": total,
+                               "per_rank_bytes": ranks[0]["nbytes"],
+                               "staging_bytes": staging, "daemon_rss_baseline": baseline_rss,
+                               "daemon_rss_peak": peak_rss, "args": vars(args)}
+    if {"ckptd-copy", "dcp", "dcp-reuse", "floor"} <= set(variants):
+        best_dcp = min(table["dcp"]["stall"], table["dcp-reuse"]["stall"])
+        copy = table["ckptd-copy"]["stall"]
+        checks = {
+            "copy stall / best DCP stall (target <= 0.8)": copy / best_dcp,
+            "copy stall / floor (target <= 1.3)": copy / table["floor"]["stall"],
+            "persist / dd (target >= 0.8)": table["ckptd-copy"]["persist_gbps"] / (dd_rate / 1e9),
+        }
+        if "ckptd-overlap" in variants:
+            checks["overlap wait / copy stall (target <= 0.1)"] = (
+                table["ckptd-overlap"]["stall"] / copy)
+            checks["fwd+bwd / copy stall (overlap needs > 1)"] = (
+                table["ckptd-overlap"]["fwd_bwd"] / copy)
+        from ckptd.daemon.config import parse_size
+
+        budget = parse_size(staging)
+        checks["daemon peak RSS - budget, MB (target <= 300)"] = (peak_rss - budget) / 1e6
+        summary["checks"] = checks
+        print()
+        for k, v in checks.items():
+            print(f"{k:52s} {v:8.3f}")
+        print(f"daemon RSS: {baseline_rss / 1e6:.0f} MB idle, {peak_rss / 1e6:.0f} MB peak; "
+              f"staging budget {budget / 1e6:.0f} MB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    if not args.root:
+        shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
