@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the tests directory is importable (helpers like distributed.py)."""
+"""Shared pytest set-up: the tests directory is importable (helpers such as distributed.py),
+and the SeaweedFS S3 fixtures (s3_server, s3_uri, s3_options) are available everywhere."""
 
 from __future__ import annotations
 
@@ -6,3 +7,5 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+pytest_plugins = ["s3fixture"]

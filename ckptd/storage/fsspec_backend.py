@@ -189,6 +189,12 @@ class LocalBackend(FsspecBackend):
                 ) from exc
             raise self._translate(exc, f"writing {key}") from exc
 
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return super().get(check_key(key), start, end)
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(check_key(key)))
+
     def list_dir(self, prefix: str) -> list[str]:
         path = self._path(prefix.strip("/"))
         try:
@@ -216,14 +222,22 @@ class LocalBackend(FsspecBackend):
 
     def delete(self, keys: Iterable[str]) -> None:
         for k in keys:
-            _unlink_quiet(self._path(k))
+            _unlink_quiet(self._path(check_key(k)))
 
     def delete_prefix(self, prefix: str) -> int:
         import shutil
 
         path = self._path(prefix.strip("/"))
         n = len(self.list_files(prefix))
-        if os.path.isdir(path):
+        if os.path.isdir(path) and path == self.root:
+            for name in os.listdir(path):
+                child = os.path.join(path, name)
+                if os.path.isdir(child):
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    _unlink_quiet(child)
+            _fsync_dir(path)
+        elif os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             _fsync_dir(os.path.dirname(path))
         elif os.path.exists(path):

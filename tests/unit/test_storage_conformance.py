@@ -103,6 +103,24 @@ class StorageConformance:
         backend.put("x/y", b"12345")
         assert backend.exists("x/y")
         assert backend.size("x/y") == 5
+        assert not backend.exists("x")  # a prefix is not an object, on every backend
+
+    def test_empty_key_is_not_an_object(self, backend: StorageBackend) -> None:
+        backend.put("k", b"1")
+        with pytest.raises(ConfigError):
+            backend.get("")
+        with pytest.raises(ConfigError):
+            backend.delete([""])
+        assert backend.get("k") == b"1"
+
+    def test_delete_prefix_of_the_root_keeps_the_backend_usable(self, backend: StorageBackend
+                                                                ) -> None:
+        backend.put("a/b", b"1")
+        backend.put("c", b"2")
+        assert backend.delete_prefix("") == 2
+        assert backend.list_files("") == {}
+        backend.put("d", b"3")
+        assert backend.get("d") == b"3"
 
     def test_missing_key(self, backend: StorageBackend) -> None:
         backend.put("present", b"1")
