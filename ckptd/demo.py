@@ -83,6 +83,9 @@ def _rank_main(rank: int, world: int, port: int, phase: str, args: argparse.Name
     from ckptd_client import CheckpointClient
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import warnings
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
