@@ -653,10 +653,10 @@ def dest_items(index: Index, world: int) -> tuple[list[list[SaveItem]], dict[str
         views = [FlatView(name, t.shape, dtype_from_name(t.dtype), p.flat_start or 0)
                  for name, t, p in flat[a]]
         sources[a] = a
-        chunk = (dim0_chunk_len(n, world),)
+        flat_chunk = (dim0_chunk_len(n, world),)
         for r in range(world):
             reg = dim0_shard((n,), world, r)
-            items[r].append(SaveItem(a, (n,), dt, _meta(reg.shape, dt), reg, chunk_shape=chunk,
+            items[r].append(SaveItem(a, (n,), dt, _meta(reg.shape, dt), reg, chunk_shape=flat_chunk,
                                      logical=False, views=list(views)))
     for name in regular:
         t = index.tensors[name]
@@ -747,8 +747,11 @@ def assign_tasks(plan: ReshardPlan, workers: int) -> list[list[int]]:
         groups.setdefault(f"v:{v.fetches[0].key if v.fetches else j}", []).append(n + j)
     names = sorted(groups)
     tasks = plan.tasks
-    sizes = [sum((tasks[i].read_bytes + (tasks[i].nbytes if isinstance(tasks[i], ObjectTask)
-                                         else 0)) for i in groups[g]) for g in names]
+
+    def cost(t: ObjectTask | VerifyTask) -> int:
+        return t.read_bytes + (t.nbytes + t.pad if isinstance(t, ObjectTask) else 0)
+
+    sizes = [sum(cost(tasks[i]) for i in groups[g]) for g in names]
     owners = balance_owners(sizes, workers)
     out: list[list[int]] = [[] for _ in range(workers)]
     for g, w in zip(names, owners):

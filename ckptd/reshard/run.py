@@ -152,7 +152,7 @@ class _Buffers(threading.local):
         if self.buf is None or self.buf.size < n:
             self.buf = None
             self.buf = np.zeros(max(n, 1), dtype=np.uint8)  # touched once, then reused
-        return memoryview(self.buf)[:n]
+        return self.buf.data[:n]
 
 
 def _place(p: Place, data: memoryview, out: memoryview) -> None:
@@ -288,12 +288,14 @@ class Executor:
     def run_verify(self, t: VerifyTask) -> TaskResult:
         return TaskResult(read=self.fetch_all(t.fetches, None))
 
+    def run_task(self, t: ObjectTask | VerifyTask) -> TaskResult:
+        return self.run_object(t) if isinstance(t, ObjectTask) else self.run_verify(t)
+
     def run(self, tasks: list[ObjectTask | VerifyTask]) -> list[TaskResult]:
         """Run ``tasks``; raises the first error (after cancelling what has not started)."""
         with ThreadPoolExecutor(max_workers=self.threads,
                                 thread_name_prefix="ckptd-reshard") as pool:
-            futs = [pool.submit(self.run_object if isinstance(t, ObjectTask) else
-                                self.run_verify, t) for t in tasks]
+            futs = [pool.submit(self.run_task, t) for t in tasks]
             results: list[TaskResult] = []
             try:
                 for f in futs:

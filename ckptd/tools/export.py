@@ -35,7 +35,7 @@ import zipfile
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 import torch
@@ -175,7 +175,7 @@ class _TensorRef:
     def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         stride = []
         acc = 1
         for d in reversed(self.shape):
@@ -279,8 +279,8 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
         b.fetches = drop_segments(b.fetches, whole)
     expected: dict[int, int] = {}
     for fl in [b.fetches for b in blocks] + [v.fetches for v in vtasks]:
-        for f in fl:
-            for s in f.segments:
+        for fetch in fl:
+            for s in fetch.segments:
                 expected[s.unit] = expected.get(s.unit, 0) + 1
     if on_plan is not None:
         on_plan(entries)
@@ -349,13 +349,13 @@ def _stream(ex: Executor, blocks: list[_Block], write: Any, depth: int, on_bytes
                 slot = free.popleft()
                 if bufs[slot].size < b.nbytes:
                     bufs[slot] = np.zeros(b.nbytes, dtype=np.uint8)
-                view = memoryview(bufs[slot])[:b.nbytes]
+                view = bufs[slot].data[:b.nbytes]
                 pending.append((slot, pool.submit(ex.fill, b.fetches, b.places, view), b.nbytes))
             if not pending:
                 break
             slot, fut, n = pending.popleft()
             read += fut.result()
-            write(memoryview(bufs[slot])[:n])
+            write(bufs[slot].data[:n])
             if on_bytes is not None:
                 on_bytes(n)
             free.append(slot)

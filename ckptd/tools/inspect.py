@@ -26,17 +26,17 @@ def describe(name: str, t: TensorRecord, index: Index) -> dict[str, Any]:
     nbytes = numel * itemsize(dtype_from_name(t.dtype))
     arrays: dict[str, dict[str, Any]] = {}
     packs = 0
-    flat = []
+    flat: list[dict[str, Any]] = []
     for p in t.pieces:
         if p.pack is not None:
             packs += 1
         elif p.flat_start is not None:
             flat.append({"array": p.array, "start": p.flat_start, "numel": numel})
         elif p.array is not None:
-            a = index.arrays.get(p.array)
+            rec = index.arrays.get(p.array)
             entry = arrays.setdefault(p.array, {
-                "array": p.array, "chunk_shape": list(a.chunk_shape) if a else None,
-                "chunks": len(a.chunks) if a else 0, "pieces": 0})
+                "array": p.array, "chunk_shape": list(rec.chunk_shape) if rec else None,
+                "chunks": len(rec.chunks) if rec else 0, "pieces": 0})
             entry["pieces"] += 1
     if flat:
         fa = index.arrays.get(flat[0]["array"] or "")

@@ -72,7 +72,10 @@ def step_rows(storage: StorageBackend, job: str, now: float | None = None) -> li
         }
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(one, steps))
+        rows = list(pool.map(one, steps))
+    # object stores list no directories, but some (SeaweedFS) keep empty ones: a step
+    # without any object does not exist
+    return [r for r in rows if r["committed"] or r["bytes_all_attempts"] or r["other_attempts"]]
 
 
 def job_rows(storage: StorageBackend, now: float | None = None) -> list[dict[str, Any]]:

@@ -144,7 +144,7 @@ def _piece_source(step: int, name: str, p: Piece, shape: tuple[int, ...], isz: i
         if n == 0:
             return []
         c = a.chunk_shape[0]
-        need = [(k,) for k in range(p.flat_start // c, (p.flat_start + n - 1) // c + 1)]
+        need: list[tuple[int, ...]] = [(k,) for k in range(p.flat_start // c, (p.flat_start + n - 1) // c + 1)]
     else:
         if p.array_offsets is None:
             return [Problem(step, "coverage", what, expected="a stored source",

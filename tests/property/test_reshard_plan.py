@@ -7,6 +7,7 @@ and the data read back is bit-exact."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 
@@ -172,7 +173,7 @@ def test_plan_reads_every_source_unit_once_and_builds_a_native_layout(spec, w, n
     for u, ranges in per_unit.items():
         ranges.sort()
         assert ranges[0][0] == 0 and ranges[-1][1] == plan.units[u].nbytes
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
     for o in plan.objects:
         for f in o.fetches:
             for s in f.segments:

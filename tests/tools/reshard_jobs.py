@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ckptd_client import CheckpointClient
 from integration.test_torch_fsdp import build, full_state, save_job
 from torch import nn
-
-from ckptd_client import CheckpointClient
 
 TORCH_FRAMEWORKS = ("fsdp2", "fsdp1")
 CPU = torch.device("cpu")

@@ -1,0 +1,328 @@
+"""The operator tools on real checkpoints: ls, inspect, verify (catches a flipped byte, a
+missing chunk, a missing rank manifest), export (safetensors and torch round trips
+against the unwrapped model's ``state_dict()``), gc (the retention policy on local disk
+and on SeaweedFS S3), and bad arguments (clear message, exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import safetensors.torch
+import torch
+from reshard_jobs import fairscale_unwrapped
+from synth import write_step
+
+from ckptd.cli import main
+from ckptd.format import paths
+from ckptd.format.commit import read_commit, resolve_step
+from ckptd.reshard.run import reshard
+from ckptd.storage import open_storage
+from ckptd.tools.common import split_job_uri
+from ckptd.tools.export import export
+from ckptd.tools.gc import apply_retention
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    rc, out, _err = run_cli(capsys, *argv, "--json")
+    return rc, json.loads(out)
+
+
+# --------------------------------------------------------------------------- ls / inspect
+
+
+def test_ls_and_inspect(saved_root, capsys):
+    root = saved_root
+    rc, doc = run_json(capsys, "ls", f"file://{root}")
+    assert rc == 0
+    jobs = {j["job"]: j for j in doc["jobs"]}
+    for fw in ("fsdp2", "fsdp1", "fairscale"):
+        for w in (2, 4):
+            j = jobs[f"{fw}-w{w}"]
+            assert (j["latest_step"], j["world_size"], j["framework"]) == (3, w, fw)
+            assert j["bytes"] > 0 and j["age_s"] >= 0
+    rc, doc = run_json(capsys, "ls", f"{root}/fsdp2-w4")
+    assert rc == 0 and [s["step"] for s in doc["steps"]] == [3]
+    s = doc["steps"][0]
+    assert s["committed"] and s["world_size"] == 4 and s["framework"] == "fsdp2"
+    rc, out, _ = run_cli(capsys, "ls", f"file://{root}/fsdp2-w4")
+    assert rc == 0 and "committed" in out and "fsdp2" in out
+
+    rc, doc = run_json(capsys, "inspect", f"file://{root}/fairscale-w2")
+    assert rc == 0 and doc["world_size"] == 2 and doc["framework"] == "fairscale"
+    names = {t["name"]: t for t in doc["tensors"]}
+    u = fairscale_unwrapped(0)
+    assert {f"model/{k}" for k in u.state_dict()} <= set(names)
+    w0 = names["model/0.weight"]
+    assert w0["shape"] == [13, 7] and w0["dtype"] == "float32"
+    assert w0["sharding"].startswith("flat view") and w0["flat"][0]["array"].startswith("flat/")
+    assert doc["extra"]["user_keys"] == ["world"] and "torch" in doc["extra"]["rng"]
+    assert doc["totals"]["tensors"] == len([n for n in names if not n.startswith("_extra/")])
+    rc, doc = run_json(capsys, "inspect", f"file://{root}/fsdp2-w4", "--step", "3")
+    t = {x["name"]: x for x in doc["tensors"]}["model/l1.weight"]
+    assert t["sharding"] == "dim0 chunks of 4"  # 13 rows over 4 ranks
+    rc, out, _ = run_cli(capsys, "inspect", f"file://{root}/fsdp2-w4")
+    assert rc == 0 and "model/l1.weight" in out and "extra state" in out
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _chunk_files(root: str, job: str) -> list[str]:
+    storage = open_storage(root)
+    rec = resolve_step(storage, job, None)
+    base = os.path.join(root, paths.attempt_prefix(job, rec.step, rec.attempt))
+    out = []
+    for d, _, files in os.walk(base):
+        for f in files:
+            p = os.path.join(d, f)
+            if "/c/" in p.replace(base, "") or p.endswith("/c"):
+                out.append(p)
+    return sorted(out)
+
+
+def test_verify_catches_flipped_byte_missing_chunk_and_missing_manifest(work_root, capsys):
+    root = work_root
+    for job in ("fsdp2-w4", "fsdp1-w2", "fairscale-w4"):
+        rc, doc = run_json(capsys, "verify", f"file://{root}/{job}")
+        assert rc == 0 and doc["ok"], doc
+        assert doc["steps"][0]["objects_read"] > 0
+    storage = open_storage(root)
+    rec = resolve_step(storage, "fsdp2-w4", None)
+    prefix = os.path.join(root, paths.attempt_prefix("fsdp2-w4", 3, rec.attempt))
+
+    # a flipped byte in an array chunk
+    victim = os.path.join(prefix, "model", "l1.weight", "c", "1", "0")
+    with open(victim, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x40]))
+    rc, doc = run_json(capsys, "verify", f"file://{root}/fsdp2-w4")
+    assert rc == 1 and not doc["ok"]
+    (p,) = doc["steps"][0]["problems"]
+    assert (p["kind"], p["what"], p["chunk"]) == ("checksum", "array 'model/l1.weight'", "1.0")
+    assert p["expected"].startswith("crc32c 0x") and p["expected"] != p["found"]
+    rc, out, _ = run_cli(capsys, "verify", f"file://{root}/fsdp2-w4")
+    assert rc == 1 and "checksum" in out and "model/l1.weight" in out
+    # reshard refuses to read it: nothing is committed
+    rc, _, err = run_cli(capsys, "reshard", f"file://{root}/fsdp2-w4", "--to-world-size", "2",
+                         "--out", f"file://{root}/from-corrupt")
+    assert rc == 2 and "checksum mismatch" in err and "model/l1.weight" in err
+    assert read_commit(storage, "from-corrupt", 3) is None
+    with open(victim, "r+b") as f:
+        f.write(b)
+
+    # a missing chunk
+    victim = os.path.join(prefix, "optim", "l2.weight", "exp_avg", "c", "0", "0")
+    os.unlink(victim)
+    rc, doc = run_json(capsys, "verify", f"file://{root}/fsdp2-w4")
+    (p,) = doc["steps"][0]["problems"]
+    assert rc == 1 and (p["kind"], p["what"], p["chunk"], p["found"]) == (
+        "missing", "array 'optim/l2.weight/exp_avg'", "0.0", "no object")
+
+    # a missing rank manifest (and a flipped byte inside a pack, on another job)
+    os.unlink(os.path.join(prefix, "_ranks", "2.json"))
+    rc, doc = run_json(capsys, "verify", f"file://{root}/fsdp2-w4")
+    kinds = {(p["kind"], p["what"]) for p in doc["steps"][0]["problems"]}
+    assert rc == 1 and ("manifest", "rank 2 manifest") in kinds
+    rec2 = resolve_step(storage, "fsdp1-w2", None)
+    pack = os.path.join(root, paths.attempt_prefix("fsdp1-w2", 3, rec2.attempt), "_packs", "0",
+                        "c", "0")
+    with open(pack, "r+b") as f:
+        f.seek(8)
+        b = f.read(1)
+        f.seek(8)
+        f.write(bytes([b[0] ^ 1]))
+    rc, doc = run_json(capsys, "verify", f"file://{root}/fsdp1-w2", "--all")
+    probs = doc["steps"][0]["problems"]
+    assert rc == 1 and any(p["kind"] == "checksum" and "_packs/0" in p["what"] for p in probs)
+    assert any(p["kind"] == "checksum" and p["what"].startswith("tensor ") for p in probs)
+
+
+# --------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("job", ["fsdp2-w4", "fsdp1-w2", "fairscale-w4", "fairscale-w2"])
+def test_export_round_trips_against_the_unwrapped_state_dict(saved_root, tmp_path, capsys, job):
+    root = saved_root
+    want = torch.load(os.path.join(root, f"{job}.expected.pt"), weights_only=True)
+    if job.startswith("fairscale"):
+        keys = set(fairscale_unwrapped(0).state_dict())
+    else:
+        from integration.test_torch_fsdp import Net
+
+        keys = set(Net().state_dict())
+    st_path = str(tmp_path / "w.safetensors")
+    pt_path = str(tmp_path / "w.pt")
+    rc, doc = run_json(capsys, "export", f"file://{root}/{job}", "--format", "safetensors",
+                       "--out", st_path)
+    assert rc == 0 and doc["tensors"] == len(keys)
+    got = safetensors.torch.load_file(st_path)
+    assert set(got) == keys
+    for k, v in got.items():
+        assert v.dtype == want[f"model/{k}"].dtype and torch.equal(v, want[f"model/{k}"]), k
+    rc, out, _ = run_cli(capsys, "export", f"{root}/{job}", "--format", "torch", "--out",
+                         pt_path, "--optimizer")
+    assert rc == 0 and "wrote" in out
+    for mmap in (False, True):
+        sd = torch.load(pt_path, weights_only=True, mmap=mmap)
+        assert set(sd["model"]) == keys
+        for k, v in sd["model"].items():
+            assert torch.equal(v, want[f"model/{k}"]), k
+        state = sd["optimizer"]["state"]
+        flat = {f"optim/{fqn}/{k}": v for fqn, s in state.items() for k, v in s.items()}
+        assert set(flat) == {k for k in want if k.startswith("optim/")}
+        for k, v in flat.items():
+            assert torch.equal(v.float(), torch.as_tensor(want[k]).float()), k
+        assert [set(g["params"]) for g in sd["optimizer"]["param_groups"]] == [
+            {k.split("/")[1] for k in flat}]
+    # the unwrapped model loads the weights-only file directly
+    if job.startswith("fairscale"):
+        u = fairscale_unwrapped(0)
+        u.load_state_dict(torch.load(pt_path, weights_only=True)["model"])
+        assert torch.equal(u[0].weight, want["model/0.weight"])
+
+
+def test_export_streams_in_small_blocks(saved_root, tmp_path):
+    """Blocks far smaller than one tensor (and than one source chunk): same bytes."""
+    storage = open_storage(saved_root)
+    out = str(tmp_path / "small.safetensors")
+    res = export(storage, "fairscale-w4", None, "safetensors", out, block_bytes=24, threads=2)
+    want = torch.load(os.path.join(saved_root, "fairscale-w4.expected.pt"), weights_only=True)
+    got = safetensors.torch.load_file(out)
+    assert res.tensors == len(got) and all(torch.equal(v, want[f"model/{k}"])
+                                           for k, v in got.items())
+    out2 = str(tmp_path / "small.pt")
+    export(storage, "fsdp2-w2", None, "torch", out2, block_bytes=7, optimizer=True)
+    want = torch.load(os.path.join(saved_root, "fsdp2-w2.expected.pt"), weights_only=True)
+    sd = torch.load(out2, weights_only=True)
+    assert all(torch.equal(v, want[f"model/{k}"]) for k, v in sd["model"].items())
+
+
+# --------------------------------------------------------------------------- gc
+
+
+def _gc_fixture(storage, job: str) -> None:
+    """Committed steps 1..10 (world 2), an in-place reshard of step 10 (a superseded
+    attempt), an uncommitted step 11 (only rank 0 wrote) and a failed attempt of step 9."""
+    for s in range(1, 11):
+        write_step(storage, job, s, f"a{s}")
+    write_step(storage, job, 9, "failed", ranks=[1], commit=False)
+    reshard(storage, job, 10, 3, threads=2)
+    write_step(storage, job, 11, "inflight", ranks=[0], commit=False)
+
+
+def _steps(storage, job: str) -> dict[int, tuple[bool, set[str]]]:
+    """step -> (committed, attempts), from the stored objects (SeaweedFS keeps empty
+    "directories" in listings, so step directories alone do not say what exists)."""
+    out: dict[int, tuple[bool, set[str]]] = {}
+    for key in storage.list_files(job):
+        _, sdir, name = key.split("/", 3)[:3]
+        step = int(sdir)
+        _committed, attempts = out.setdefault(step, (False, set()))
+        if name == "COMMITTED":
+            out[step] = (True, attempts)
+        else:
+            attempts.add(name)
+    return out
+
+
+def _check_gc(storage, job: str, capsys, uri: str) -> None:
+    now = time.time()
+    # dry run: reports, deletes nothing
+    before = storage.list_files(job)
+    rep = apply_retention(storage, job, keep_last=3, keep_every=4, grace_s=3600, dry_run=True,
+                          now=now)
+    assert rep.kept_steps == [4, 8, 9, 10] and rep.deleted_steps == [1, 2, 3, 5, 6, 7]
+    assert {(r.step, r.attempt) for r in rep.protected} == {(9, "failed"), (10, "a10"),
+                                                            (11, "inflight")}
+    assert storage.list_files(job) == before
+    # for real, through the CLI: young leftovers survive the grace period
+    rc, out, _ = run_cli(capsys, "gc", uri, "--keep-last", "3", "--keep-every", "4")
+    assert rc == 0, out
+    steps = _steps(storage, job)
+    assert sorted(steps) == [4, 8, 9, 10, 11]
+    assert all(steps[s][0] for s in (4, 8, 9, 10)) and not steps[11][0]
+    assert steps[9][1] == {"a9", "failed"} and steps[11][1] == {"inflight"}
+    new = resolve_step(storage, job, None).attempt
+    assert steps[10][1] == {"a10", new} and new.startswith("reshard-w3-")
+    # two hours later: the leftovers go, the committed ones stay; newest is never deleted
+    rep = apply_retention(storage, job, keep_last=1, grace_s=3600, now=now + 7200)
+    assert rep.kept_steps == [10] and rep.deleted_steps == [4, 8, 9]
+    assert _steps(storage, job) == {10: (True, {new})}
+    assert resolve_step(storage, job, None).world_size == 3
+    rc, _ = run_json(capsys, "verify", uri)
+    assert rc == 0
+
+
+def test_gc_keeps_exactly_the_policy_on_local_disk(tmp_path, capsys):
+    storage = open_storage(str(tmp_path))
+    _gc_fixture(storage, "gcjob")
+    _check_gc(storage, "gcjob", capsys, f"file://{tmp_path}/gcjob")
+    assert not os.path.exists(tmp_path / "gcjob" / "000000000001")
+
+
+@pytest.mark.s3
+def test_gc_keeps_exactly_the_policy_on_seaweedfs_s3(s3_uri, capsys):
+    storage = open_storage(s3_uri)
+    _gc_fixture(storage, "gcjob")
+    _check_gc(storage, "gcjob", capsys, f"{s3_uri}/gcjob")
+
+
+@pytest.mark.s3
+def test_reshard_and_export_on_s3(s3_uri, tmp_path, capsys):
+    storage = open_storage(s3_uri)
+    full = write_step(storage, "s3job", 5, "att", world=3)
+    rc, doc = run_json(capsys, "reshard", f"{s3_uri}/s3job", "--to-world-size", "2")
+    assert rc == 0 and doc["in_place"] and doc["world_size"] == 2
+    rc, doc = run_json(capsys, "verify", f"{s3_uri}/s3job")
+    assert rc == 0
+    out = str(tmp_path / "s3.safetensors")
+    rc, _ = run_json(capsys, "export", f"{s3_uri}/s3job", "--format", "safetensors",
+                     "--out", out)
+    got = safetensors.torch.load_file(out)
+    assert torch.equal(got["w"], full["model/w"]) and torch.equal(got["b"], full["model/b"])
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+def test_bad_arguments_fail_with_a_clear_message(saved_root, tmp_path, capsys):
+    root = saved_root
+    uri = f"file://{root}/fsdp2-w2"
+    cases = [
+        (["reshard", f"file://{root}/nosuch", "--to-world-size", "2"], "no checkpoint of job"),
+        (["reshard", uri, "--step", "7", "--to-world-size", "2"], "step 7 of job 'fsdp2-w2'"),
+        (["reshard", uri, "--to-world-size", "0"], "--to-world-size must be an integer >= 1"),
+        (["reshard", uri, "--to-world-size", "3", "--out", f"file://{root}/fsdp2-w4"],
+         "already has a committed step 3"),
+        (["reshard", "gs://b/j", "--to-world-size", "2"], "scheme 'gs' is not supported"),
+        (["inspect", f"file://{root}/nosuch"], "no checkpoint of job"),
+        (["verify", uri, "--step", "4"], "is not committed"),
+        (["export", uri, "--format", "torch", "--out", os.path.join(root, "fsdp2-w2.expected.pt")],
+         "already exists"),
+        (["export", uri, "--format", "safetensors", "--optimizer", "--out",
+          str(tmp_path / "x")], "--format torch"),
+        (["gc", uri, "--keep-last", "0"], "--keep-last must be an integer >= 1"),
+        (["gc", uri, "--keep-last", "2", "--grace", "soon"], "duration 'soon' is invalid"),
+        (["ls", f"file://{tmp_path}/empty"], "no checkpoints under"),
+    ]
+    for argv, msg in cases:
+        rc, out, err = run_cli(capsys, *argv)
+        assert rc == 2, (argv, rc, out, err)
+        assert msg in err, (argv, err)
+    with pytest.raises(SystemExit) as exc:
+        main(["reshard", uri])  # --to-world-size is required
+    assert exc.value.code == 2
+    assert split_job_uri("s3://bucket/prefix/job") == ("s3://bucket/prefix", "job")
