@@ -172,6 +172,22 @@ def _place(p: Place, data: memoryview, out: memoryview) -> None:
     dst[d_sl] = src[s_sl]
 
 
+def _pread_into(path: str, buf: memoryview, offset: int) -> int:
+    """Read ``len(buf)`` bytes of ``path`` from ``offset`` into ``buf``; returns bytes read
+    (fewer only at the end of the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(fd, [buf[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
+
+
 @dataclasses.dataclass
 class TaskResult:
     crc32c: int | None = None
@@ -195,42 +211,61 @@ class Executor:
         self.ahead = max(1, ahead)
         self.on_bytes = on_bytes
         self._buffers = _Buffers()
+        from ckptd.storage.fsspec_backend import LocalBackend
+
+        self._local_root = src.root if isinstance(src, LocalBackend) else None
         self._io = ThreadPoolExecutor(max_workers=self.threads * self.ahead,
                                       thread_name_prefix="ckptd-reshard-io")
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
 
-    def _get(self, f: Fetch) -> memoryview:
+    def _get(self, f: Fetch, into: memoryview | None = None) -> memoryview:
+        """Bytes ``[f.lo, f.hi)`` of the source object, with its unit segments' crc32c
+        recorded.  ``into`` (``f.nbytes`` long) receives the bytes if given.  On a local
+        disk the bytes are read straight into ``into`` (no intermediate buffer)."""
         key = f"{self.src_prefix}/{f.key}"
+        n = f.hi - f.lo
         try:
-            data = self.src.get(key, f.lo, f.hi)
+            if self._local_root is not None:
+                mv = into if into is not None else memoryview(bytearray(n))
+                got = _pread_into(os.path.join(self._local_root, key), mv, f.lo)
+            else:
+                data = self.src.get(key, f.lo, f.hi)
+                got = len(data)
+                mv = memoryview(data)
+                if into is not None and got == n:
+                    into[:] = mv
+                    mv = into
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"source object {key} is missing; the checkpoint is damaged. Run `ckptd "
                 "verify`; nothing was committed."
             ) from None
-        if len(data) != f.hi - f.lo:
+        if got != n:
             raise CorruptCheckpointError(
-                f"source object {key}: expected bytes [{f.lo}, {f.hi}), got {len(data)} bytes; "
+                f"source object {key}: expected bytes [{f.lo}, {f.hi}), got {got} bytes; "
                 "the object is truncated. Nothing was committed."
             )
-        mv = memoryview(data)
         for s in f.segments:
             a = self.verifier.units[s.unit].start + s.lo - f.lo
             self.verifier.add(s.unit, s.lo, s.hi, crc32c(mv[a:a + (s.hi - s.lo)]))
         return mv
 
     def fetch_all(self, fetches: list[Fetch],
-                  consume: Callable[[int, memoryview], None] | None) -> int:
-        """Fetch in order with ``ahead`` in flight; ``consume(i, data)`` in order."""
+                  consume: Callable[[int, memoryview], None] | None,
+                  into: Callable[[int], memoryview | None] | None = None) -> int:
+        """Fetch in order with ``ahead`` in flight; ``consume(i, data)`` in order.
+
+        ``into(i)`` may name where fetch ``i``'s bytes go (then they are read there)."""
         pending: deque[tuple[int, Future]] = deque()
         nxt = 0
         total = 0
         try:
             while nxt < len(fetches) or pending:
                 while nxt < len(fetches) and len(pending) < self.ahead:
-                    pending.append((nxt, self._io.submit(self._get, fetches[nxt])))
+                    dst = into(nxt) if into is not None else None
+                    pending.append((nxt, self._io.submit(self._get, fetches[nxt], dst)))
                     nxt += 1
                 i, fut = pending.popleft()
                 data = fut.result()
@@ -251,7 +286,8 @@ class Executor:
     def fill(self, fetches: list[Fetch], places: list[Place], out: memoryview) -> int:
         """Fetch ``fetches`` and place their bytes into ``out``; returns bytes read.
 
-        Bytes of ``out`` that no place covers are zeroed."""
+        Bytes of ``out`` that no place covers are zeroed.  A fetch whose bytes are exactly
+        one contiguous range of ``out`` is read straight into it."""
         by_fetch: dict[int, list[Place]] = {}
         covered = 0
         for p in places:
@@ -259,12 +295,20 @@ class Executor:
             covered += p.nbytes
         if covered != len(out):  # pack alignment gaps must be zero
             out[:] = zeros(len(out))
+        direct: dict[int, memoryview] = {}
+        for i, ps in by_fetch.items():
+            if len(ps) == 1 and ps[0].contiguous and ps[0].src_offset == 0 and (
+                    ps[0].nbytes == fetches[i].nbytes):
+                d0, d1 = ps[0].dst_byte_range()
+                direct[i] = out[d0:d1]
 
         def consume(i: int, data: memoryview) -> None:
+            if i in direct:
+                return
             for p in by_fetch.get(i, ()):
                 _place(p, data, out)
 
-        return self.fetch_all(fetches, consume)
+        return self.fetch_all(fetches, consume, direct.get)
 
     def run_object(self, t: ObjectTask) -> TaskResult:
         out = self._buffers.get(t.nbytes)
