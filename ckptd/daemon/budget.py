@@ -74,7 +74,7 @@ class ByteBudget:
         self._waiters.append(waiter)
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abandon(waiter)
             raise BackpressureError(
                 f"waited {timeout:.0f}s for {nbytes} staging bytes; the node's staging budget "

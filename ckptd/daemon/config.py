@@ -101,6 +101,9 @@ class DaemonConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.keep_every is not None and self.keep_last is None:
+            raise ConfigError("--keep-every needs --keep-last (retention keeps the last K "
+                              "checkpoints plus every M-th step)")
         if self.drain_timeout < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.log_format not in ("json", "text"):
@@ -115,18 +118,17 @@ class DaemonConfig:
 # flag name -> (type converter, help)
 _FLAGS: dict[str, tuple[object, str]] = {
     "storage": (str, "checkpoint storage URI: s3://bucket/prefix or file:///path"),
-    "socket": (str, f"Unix socket path (default {DEFAULT_SOCKET}); its directory is created "
-                    "mode 0750 if missing"),
-    "socket_group": (str, "group (name or gid) allowed to use the socket (default: the "
-                          "daemon's primary group)"),
-    "listen": (str, "also serve TCP on HOST:PORT (requires --tls-cert, --tls-key, "
-                    "--token-file)"),
+    "socket": (str, (f"Unix socket path (default {DEFAULT_SOCKET}); its directory is "
+                     "created mode 0750 if missing")),
+    "socket_group": (str, ("group (name or gid) allowed to use the socket (default: the "
+                           "daemon's primary group)")),
+    "listen": (str, "also serve TCP on HOST:PORT (requires --tls-cert, --tls-key, --token-file)"),
     "tls_cert": (str, "PEM server certificate (chain) for --listen"),
     "tls_key": (str, "PEM private key for --listen"),
     "token_file": (str, "file holding the bearer token TCP clients must send"),
     "staging_bytes": (parse_size, "node-wide staging budget, e.g. 16GiB (default 8GiB)"),
-    "shm_dir": (str, "accepted for compatibility; staging segments are memfd-backed and do "
-                     "not live in a directory (see docs/DAEMON.md)"),
+    "shm_dir": (str, ("accepted for compatibility; staging segments are memfd-backed and do "
+                      "not live in a directory (see docs/DAEMON.md)")),
     "write_concurrency": (int, "concurrent object writes (default 8)"),
     "metrics_port": (int, "Prometheus /metrics port (default 9400; 0 = off)"),
     "keep_last": (int, "retention after each commit: keep the last K checkpoints"),

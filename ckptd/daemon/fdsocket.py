@@ -99,7 +99,7 @@ class FdServer:
             return None
         doc = json.loads(data)
         if not isinstance(doc, dict):
-            raise ValueError("expected a JSON object")
+            raise TypeError("expected a JSON object")
         return doc
 
     async def _serve(self, conn: socket.socket) -> None:
@@ -112,7 +112,7 @@ class FdServer:
                     return
                 session = self.pool.attach(str(hello.get("session", "")),
                                            bytes.fromhex(str(hello.get("secret", ""))), pid)
-            except (CkptdError, ValueError, TypeError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, CkptdError, ValueError, TypeError) as exc:
                 with contextlib.suppress(OSError):
                     await self._send(conn, {"ok": False, "error": f"attach refused: {exc}"})
                 return
@@ -136,7 +136,7 @@ class FdServer:
             log.debug("fd connection of pid %s ended: %s", pid, exc)
         except asyncio.CancelledError:
             pass
-        except Exception:  # noqa: BLE001 - a client must never take the daemon down
+        except Exception:
             log.exception("fd connection of pid %s failed", pid)
         finally:
             conn.close()

@@ -131,18 +131,20 @@ class _GuardedStorage(StorageBackend):
 
 
 def _commit_poll(storage: StorageBackend, job: str, step: int, attempt: str,
-                 world_size: int) -> bool:
-    """One look at storage: is the attempt committed?  Commits it if every rank manifest is
-    there but nobody committed (a committer died).  Mirrors format.commit.wait_committed."""
+                 world_size: int) -> str | None:
+    """One look at storage: is the attempt committed ("seen"), or did this call commit it
+    ("ours": every rank manifest was there but nobody had committed, e.g. the committer
+    died)?  None if not committed.  Mirrors format.commit.wait_committed."""
     prefix = paths.attempt_prefix(job, step, attempt)
     rec = read_commit(storage, job, step)
     if rec is not None and rec.attempt == attempt:
-        return True
+        return "seen"
     if rec is not None and storage.exists(paths.index_key(prefix)):
-        return True  # committed, then superseded by a later attempt of the same step
-    if rec is None and set(range(world_size)) <= present_ranks(storage, prefix):
-        return try_commit(storage, job, step, attempt, world_size) is not None
-    return False
+        return "seen"  # committed, then superseded by a later attempt of the same step
+    if (rec is None and set(range(world_size)) <= present_ranks(storage, prefix)
+            and try_commit(storage, job, step, attempt, world_size) is not None):
+        return "ours"
+    return None
 
 
 class AttemptTracker:
@@ -178,18 +180,21 @@ class AttemptTracker:
                         self.step, exc)
             committed = False
         if committed:
-            self.mark_committed()
+            self.mark_committed(by_us=True)
         else:
             self.ensure_polling()
 
-    def mark_committed(self) -> None:
+    def mark_committed(self, by_us: bool) -> None:
+        """The attempt is committed; ``by_us``: this daemon wrote COMMITTED (it then runs
+        the post-commit hook, i.e. retention, so that not every node's daemon does)."""
         if self.committed:
             return
         self.committed = True
         for r in self.records:
             if r.state == WRITTEN:
                 self.pipe._commit(r)
-        self.pipe._committed(self.job, self.step)
+        if by_us:
+            self.pipe._committed(self.job, self.step)
 
     def fail_all(self, error_class: str, message: str) -> None:
         if self.failure is None:
@@ -210,9 +215,11 @@ class AttemptTracker:
                 if not waiting or self.committed or self.failure is not None:
                     return
                 try:
-                    if await self.pipe._run_blocking(_commit_poll, self.pipe.guarded, self.job,
-                                                     self.step, self.attempt, self.world_size):
-                        self.mark_committed()
+                    seen = await self.pipe._run_blocking(_commit_poll, self.pipe.guarded,
+                                                         self.job, self.step, self.attempt,
+                                                         self.world_size)
+                    if seen is not None:
+                        self.mark_committed(by_us=seen == "ours")
                         return
                 except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
                     log.warning("commit poll of %s step %d failed: %s", self.job, self.step, exc)
@@ -309,7 +316,7 @@ class WritePipeline:
         if self.on_committed is not None:
             try:
                 self.on_committed(job, step)
-            except Exception:  # noqa: BLE001 - retention must not fail a save
+            except Exception:
                 log.exception("post-commit hook failed for %s step %d", job, step)
 
     def _evict(self) -> None:
@@ -384,10 +391,10 @@ class WritePipeline:
             error = ("SaveFailedError", "the ckptd daemon stopped before this save was written")
         except CkptdError as exc:
             error = (type(exc).__name__, str(exc))
-        except Exception as exc:  # noqa: BLE001 - any failure fails this save only
+        except Exception as exc:
             log.exception("writing %s failed", rec.save_id)
-            error = ("SaveFailedError", f"writing step {ident.step} rank {ident.rank} failed: "
-                                        f"{type(exc).__name__}: {exc}")
+            error = ("SaveFailedError", (f"writing step {ident.step} rank {ident.rank} failed: "
+                                         f"{type(exc).__name__}: {exc}"))
         finally:
             del buffer
             done()
@@ -395,10 +402,9 @@ class WritePipeline:
             self.metrics.queue_depth.dec()
         try:
             if error is not None:
-                if error[0] != "SaveFailedError" or "will not commit" not in error[1]:
-                    error = (error[0], f"save of step {ident.step} (job {ident.job!r}, rank "
-                                       f"{ident.rank}) failed and was not committed: {error[1]}"
-                                       ". Earlier checkpoints are untouched.")
+                error = (error[0], (f"save of step {ident.step} (job {ident.job!r}, rank "
+                                    f"{ident.rank}) failed and was not committed: {error[1]}. "
+                                    "Earlier checkpoints are untouched."))
                 self._fail(rec, *error)
                 tracker.fail_all("SaveFailedError", (
                     f"step {ident.step} of job {ident.job!r} will not commit: rank "
@@ -463,7 +469,7 @@ class WritePipeline:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def abort(self) -> int:

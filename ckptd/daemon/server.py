@@ -166,11 +166,12 @@ def _deny(handler: Any, why: str) -> Any:
 # -- retention -------------------------------------------------------------------------------
 def make_retention(cfg: DaemonConfig, storage: StorageBackend,
                    executor: ThreadPoolExecutor) -> Callable[[str, int], None] | None:
-    if cfg.keep_last is None and cfg.keep_every is None:
+    if cfg.keep_last is None:
         return None
+    keep_last = cfg.keep_last
     try:
-        from ckptd.tools import gc as gc_tool  # written by the tools work; optional here
-        apply = gc_tool.apply_retention  # type: ignore[attr-defined]
+        from ckptd.tools import gc as gc_tool
+        apply = gc_tool.apply_retention
     except (ImportError, AttributeError):
         log.warning("retention (--keep-last/--keep-every) is unavailable in this build "
                     "(ckptd.tools.gc.apply_retention is missing); no checkpoint is deleted. "
@@ -180,8 +181,11 @@ def make_retention(cfg: DaemonConfig, storage: StorageBackend,
     def run(job: str, step: int) -> None:
         def work() -> None:
             try:
-                apply(storage, job, keep_last=cfg.keep_last, keep_every=cfg.keep_every)
-            except Exception:  # noqa: BLE001 - retention never fails a save
+                report = apply(storage, job, keep_last=keep_last, keep_every=cfg.keep_every)
+                logs.event(f"retention applied to job {job} after step {step}", event="retention",
+                           job=job, step=step, kept=report.kept_steps,
+                           deleted=report.deleted_steps, objects_deleted=report.objects_deleted)
+            except Exception:
                 log.exception("retention for job %s after step %d failed", job, step)
 
         executor.submit(work)
@@ -201,7 +205,24 @@ def _grpc_options(cfg: DaemonConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
+    assert cfg.tls_cert and cfg.tls_key and cfg.token_file
+    with open(cfg.tls_key, "rb") as f:
+        key = f.read()
+    with open(cfg.tls_cert, "rb") as f:
+        cert = f.read()
+    with open(cfg.token_file) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise ConfigError(f"the token in {cfg.token_file} is shorter than 16 characters; "
+                          "use a long random token (e.g. `openssl rand -hex 32`)")
+    return key, cert, token
+
+
 async def run(cfg: DaemonConfig) -> int:
+    # The event loop answers Save while writer threads run: switch the GIL more often than
+    # the default 5 ms so an acknowledgement is not queued behind them.
+    sys.setswitchinterval(0.001)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(
         lambda _l, ctx: log.error("unhandled error in the event loop: %s", ctx.get("message"),
@@ -209,11 +230,12 @@ async def run(cfg: DaemonConfig) -> int:
     if cfg.shm_dir:
         log.info("--shm-dir %s ignored: staging segments are sealed memfds (no directory)",
                  cfg.shm_dir)
+    tls = _tls_material(cfg) if cfg.listen else None
     storage = open_storage(cfg.storage)
     metrics = Metrics()
     budget = ByteBudget(cfg.staging_bytes)
     pool = StagingPool(budget, metrics)
-    background = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckptd-bg")
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-retention")
     pipeline = WritePipeline(storage, metrics, write_concurrency=cfg.write_concurrency,
                              test_write_delay=cfg.test_write_delay,
                              test_write_gate=cfg.test_write_gate,
@@ -244,16 +266,8 @@ async def run(cfg: DaemonConfig) -> int:
     fd_server.start()
     servers = [unix_server]
     if cfg.listen:
-        assert cfg.tls_cert and cfg.tls_key and cfg.token_file
-        with open(cfg.tls_key, "rb") as f:
-            key = f.read()
-        with open(cfg.tls_cert, "rb") as f:
-            cert = f.read()
-        with open(cfg.token_file) as f:
-            token = f.read().strip()
-        if len(token) < 16:
-            raise ConfigError(f"the token in {cfg.token_file} is shorter than 16 characters; "
-                              "use a long random token (e.g. `openssl rand -hex 32`)")
+        assert tls is not None
+        key, cert, token = tls
         tcp_server = make_server(False, [TokenInterceptor(token)])
         if tcp_server.add_secure_port(cfg.listen, grpc.ssl_server_credentials([(key, cert)])) == 0:
             raise ConfigError(f"cannot listen on {cfg.listen}")

@@ -82,7 +82,7 @@ def _streaming(fn: Callable) -> Callable:
 
 
 def _status(rec: SaveRecord) -> pb.SaveStatus:
-    return pb.SaveStatus(save_id=rec.save_id, state=rec.state,
+    return pb.SaveStatus(save_id=rec.save_id, state=rec.state,  # type: ignore[arg-type]
                          segment_returned=rec.segment_returned, nbytes=rec.written_bytes,
                          error_class=rec.error_class, error_message=rec.error_message,
                          world_size=rec.ident.world_size)
@@ -163,7 +163,8 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
             raise RpcFailure("FAILED_PRECONDITION", StagingError,
                              f"save {existing.save_id} already failed "
                              f"({existing.error_message}); save under a new attempt")
-        return pb.SaveResponse(save_id=existing.save_id, state=existing.state)
+        return pb.SaveResponse(save_id=existing.save_id,
+                               state=existing.state)  # type: ignore[arg-type]
 
     @_unary
     async def Save(self, request: pb.SaveRequest,
@@ -187,7 +188,7 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         rec = self.pipeline.submit(ident, plan, buffer, extra=extra, param_groups=groups,
                                    commit_timeout=request.commit_timeout_s,
                                    done=lambda: self.pool.give_back(slot))
-        return pb.SaveResponse(save_id=rec.save_id, state=rec.state)
+        return pb.SaveResponse(save_id=rec.save_id, state=rec.state)  # type: ignore[arg-type]
 
     @_unary
     async def SaveStream(self, request_iterator: AsyncIterator[pb.SaveStreamRequest],
@@ -226,7 +227,7 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         rec = self.pipeline.submit(ident, plan, buffer, extra=extra, param_groups=groups,
                                    commit_timeout=request.commit_timeout_s,
                                    done=lambda: self.pool.give_back(slot))
-        return pb.SaveResponse(save_id=rec.save_id, state=rec.state)
+        return pb.SaveResponse(save_id=rec.save_id, state=rec.state)  # type: ignore[arg-type]
 
     @_unary
     async def GetSaveStatus(self, request: pb.GetSaveStatusRequest,

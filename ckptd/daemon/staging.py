@@ -31,7 +31,7 @@ from ckptd.daemon.config import MAX_SESSIONS
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.rpcerrors import REASON_SESSION_UNKNOWN, RpcFailure
 from ckptd.daemon.segments import Segment, StreamBuffer, segment_size
-from ckptd.errors import BackpressureError, StagingError
+from ckptd.errors import StagingError
 
 RESERVATION_TTL = 600.0
 ATTACH_TTL = 120.0          # a Unix session must attach its fd connection within this
@@ -174,10 +174,7 @@ class StagingPool:
                 f"session holds {len(s.slots)} staging segments already (at most "
                 f"{MAX_SEGMENTS_PER_SESSION}); release one first")
         size = segment_size(nbytes) if shm else nbytes
-        try:
-            await self.budget.acquire(size, wait=wait, timeout=timeout)
-        except BackpressureError:
-            raise
+        await self.budget.acquire(size, wait=wait, timeout=timeout)  # BackpressureError: busy
         self.metrics.staging_in_use.set(self.budget.in_use)
         slot = Slot(secrets.token_hex(8), s, size, "shm" if shm else "stream")
         if shm:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Self
 
 from ckptd.errors import DaemonUnavailableError
 
@@ -67,10 +67,10 @@ class DaemonProcess:
             self.proc.kill()
         return self.proc.wait()
 
-    def __enter__(self) -> DaemonProcess:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from daemon_helpers import Daemons  # noqa: E402
+from daemon_helpers import Daemons
 
 
 @pytest.fixture

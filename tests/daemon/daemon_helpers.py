@@ -20,11 +20,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "integration"))
 
-import test_torch_fsdp as fsdp  # noqa: E402  (Net, build, train, full_state)
+import test_torch_fsdp as fsdp
 
-from ckptd.daemon.testing import DaemonProcess, start_daemon  # noqa: E402
-from ckptd.v1 import ckptd_pb2 as pb  # noqa: E402
-from ckptd.v1 import ckptd_pb2_grpc as pb_grpc  # noqa: E402
+from ckptd.daemon.testing import DaemonProcess, start_daemon
+from ckptd.v1 import ckptd_pb2 as pb
+from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
 
 
 class Daemons:
@@ -157,10 +157,11 @@ def daemon_crash_rank(rank: int, world: int, root: str, sock: str, gate: str,
                       log_dir: str) -> None:
     """Save step 1; kill the daemon while step 2 is handed over but not written; restart it;
     save step 3 with the same client; check what committed and that step 1 loads."""
+    from ckptd_client import CheckpointClient
+
     from ckptd.errors import DaemonUnavailableError
     from ckptd.format.commit import committed_steps
     from ckptd.storage import open_storage
-    from ckptd_client import CheckpointClient
 
     store = f"file://{root}/store"
     job = "crash"

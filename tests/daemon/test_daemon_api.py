@@ -14,6 +14,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 from daemon_helpers import Daemons, error_class, raw_channel, raw_session
 from distributed import free_port
 
@@ -24,7 +25,6 @@ from ckptd.format.manifest import ArrayRecord, ChunkRecord
 from ckptd.format.plan import ArrayMeta, ObjectWrite, RankPlan
 from ckptd.storage import open_storage
 from ckptd.v1 import ckptd_pb2 as pb
-from ckptd_client import CheckpointClient
 
 
 class Mixed(torch.nn.Module):
@@ -225,9 +225,9 @@ def test_bad_requests_are_rejected_and_daemon_keeps_serving(shared):
         assert not reply["ok"] and fds == []
 
         def save(**kw):
-            req = dict(session_id=sid, segment_id=seg.segment_id, identity=_ident(),
-                       plan_json=_bad_plan(seg.size), extra_json=b"null",
-                       param_groups_json=b"[]")
+            req = {"session_id": sid, "segment_id": seg.segment_id, "identity": _ident(),
+                   "plan_json": _bad_plan(seg.size), "extra_json": b"null",
+                   "param_groups_json": b"[]"}
             req.update(kw)
             return _code(s.stub.Save, pb.SaveRequest(**req), timeout=10)
 
@@ -337,3 +337,19 @@ def test_backpressure_block_skip_error(tmp_path, daemons: Daemons):
     with pytest.raises(StagingError, match="never fit"):
         CheckpointClient("too-big", daemon=d.address).save(torch.nn.Linear(1024, 1024), step=1)
     assert check_health("unix:" + d.socket) == "SERVING"
+
+
+def test_retention_after_commit(tmp_path, daemons: Daemons):
+    d = daemons.start(extra_args=("--keep-last", "2", "--keep-every", "10"))
+    client = CheckpointClient("keep", daemon=d.address)
+    m = torch.nn.Linear(8, 8)
+    for step in (10, 11, 12, 13, 14):
+        client.save(m, step=step, timeout=60)
+    client.close()
+    store = open_storage(f"file://{tmp_path}/store")
+    for _ in range(600):   # retention runs on the daemon after each commit
+        if committed_steps(store, "keep") == [10, 13, 14]:
+            break
+        threading.Event().wait(0.05)
+    assert committed_steps(store, "keep") == [10, 13, 14], d.log()
+    assert "retention applied" in d.log()

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 from daemon_helpers import assert_equal_state, daemon_crash_rank, fsdp
 from distributed import free_port, run_world
 
@@ -20,7 +21,6 @@ from ckptd.daemon.cli import check_health
 from ckptd.errors import DaemonUnavailableError
 from ckptd.format.commit import committed_steps
 from ckptd.storage import open_storage
-from ckptd_client import CheckpointClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -9,6 +9,7 @@ import subprocess
 import grpc
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 from daemon_helpers import error_class
 from distributed import free_port
 
@@ -16,7 +17,6 @@ from ckptd.daemon.cli import check_health
 from ckptd.errors import AuthenticationError
 from ckptd.v1 import ckptd_pb2 as pb
 from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
-from ckptd_client import CheckpointClient
 
 
 def _self_signed(d: str) -> tuple[str, str]:

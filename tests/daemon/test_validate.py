@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from ckptd_client.adapters import adapter_for
 
 from ckptd.daemon import validate
 from ckptd.errors import ConfigError, StagingError
 from ckptd.format.plan import plan_rank_save
-from ckptd_client.adapters import adapter_for
 
 
 def real_plan() -> tuple[dict, int]:

@@ -21,9 +21,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from daemon_helpers import fsdp
-
     from ckptd_client import CheckpointClient
+    from daemon_helpers import fsdp
 
     model, opt = fsdp.build("fsdp2", world, seed=1)
     fsdp.train(model, opt, 2, rank)

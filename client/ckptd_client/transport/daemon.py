@@ -85,14 +85,12 @@ def parse_address(address: str) -> tuple[str, str]:
     a = address.strip()
     if a.startswith("unix:"):
         path = a[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
+        path = path.removeprefix("//")
         if not path.startswith("/"):
             raise ConfigError(f"daemon address {address!r}: expected unix:///absolute/path")
         return "unix", path
     for prefix in ("tcp://", "grpcs://", "dns:///"):
-        if a.startswith(prefix):
-            a = a[len(prefix):]
+        a = a.removeprefix(prefix)
     host, sep, port = a.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ConfigError(
@@ -168,8 +166,8 @@ def _unmap(seg: _Segment) -> None:
     if seg.pinned and seg.tensor is not None:
         try:
             torch.cuda.cudart().cudaHostUnregister(seg.tensor.data_ptr())
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as exc:  # noqa: BLE001 - unmapping must go on
+            log.debug("ckptd: cudaHostUnregister failed: %s", exc)
         seg.pinned = False
     seg.tensor = None
     mm, seg.mm = seg.mm, None
@@ -190,7 +188,7 @@ class DaemonTransport(Transport):
         self.connect_timeout = connect_timeout
         kind, target = parse_address(address)
         self.local = kind == "unix"
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE),
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_MESSAGE),
                    ("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100),
@@ -316,9 +314,9 @@ class DaemonTransport(Transport):
         s = self._ensure_session()
         best = None
         for seg in self._segments:
-            if seg.state == "idle" and seg.gen == s.gen and seg.size >= nbytes:
-                if best is None or seg.size < best.size:
-                    best = seg
+            if (seg.state == "idle" and seg.gen == s.gen and seg.size >= nbytes
+                    and (best is None or seg.size < best.size)):
+                best = seg
         if best is not None:
             best.state = "staging"
             return best
@@ -356,12 +354,9 @@ class DaemonTransport(Transport):
     def _new_segment(self, nbytes: int, wait: bool) -> _Segment:
         with self._lock:
             s = self._ensure_session()
-        try:
-            resp = self._call("AcquireStaging", pb.AcquireStagingRequest(
-                session_id=s.id, nbytes=nbytes, wait=wait,
-                transfer=pb.TRANSFER_SHARED_MEMORY), timeout=300.0 if wait else CALL_TIMEOUT)
-        except DaemonUnavailableError:
-            raise
+        resp = self._call("AcquireStaging", pb.AcquireStagingRequest(
+            session_id=s.id, nbytes=nbytes, wait=wait,
+            transfer=pb.TRANSFER_SHARED_MEMORY), timeout=300.0 if wait else CALL_TIMEOUT)
         assert s.conn is not None
         with self._fd_lock:
             try:
@@ -528,7 +523,7 @@ class DaemonTransport(Transport):
         return exc
 
     def _save_stream(self, req: pb.SaveRequest, buffer: torch.Tensor, nbytes: int) -> Any:
-        mv = memoryview(buffer.numpy()).cast("B")[:nbytes]
+        mv = buffer.numpy().data.cast("B")[:nbytes]
 
         def messages() -> Iterator[pb.SaveStreamRequest]:
             yield pb.SaveStreamRequest(header=req)
