@@ -10,9 +10,9 @@ import tempfile
 
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 
 from ckptd.daemon.testing import start_daemon
-from ckptd_client import CheckpointClient
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
