@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the Python gRPC stubs in ckptd/v1/ from proto/ckptd/v1/ckptd.proto.
 # Usage: scripts/gen_proto.sh [OUTPUT_DIR]   (default: the repository root)
-# tests/daemon/test_proto_drift.py runs this into a temporary directory and compares.
+# tests/daemon/test_daemon_proto_drift.py runs this into a temporary directory and compares.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-$root}"
