@@ -450,7 +450,7 @@ def reshard(
     pack_threshold: int = DEFAULT_PACK_THRESHOLD,
     max_fetch: int = DEFAULT_MAX_FETCH,
     workers: Workers | None = None,
-    on_plan: Callable[[ReshardPlan], None] | None = None,
+    on_plan: Callable[[ReshardPlan, int], None] | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> ReshardResult:
     """Rewrite committed ``step`` (latest if None) of ``job`` so its chunks align with
@@ -460,6 +460,8 @@ def reshard(
     is then switched atomically to the new attempt (the old one stays until ``ckptd gc``).
     Otherwise the destination step must not be committed yet.  Every torchrun worker calls
     this with the same arguments (``workers`` detected from the environment if None).
+    ``on_plan(plan, bytes)`` is called once with the plan and the bytes this worker will
+    write; ``on_bytes(n)`` after each object it wrote.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(
@@ -486,10 +488,11 @@ def reshard(
     attempt = wk.broadcast_str(new_attempt_id(world_size) if wk.rank == 0 else "")
     dst_prefix = paths.attempt_prefix(out_job, rec.step, attempt)
     plan = plan_reshard(index, world_size, pack_threshold=pack_threshold, max_fetch=max_fetch)
-    if on_plan is not None:
-        on_plan(plan)
     mine = assign_tasks(plan, wk.size)[wk.rank]
     tasks = plan.tasks
+    if on_plan is not None:
+        objs = plan.objects
+        on_plan(plan, sum(objs[i].nbytes + objs[i].pad for i in mine if i < len(objs)))
     verifier = Verifier(plan.units, expected_segments(plan))
     ex = Executor(src, src_prefix, dst, dst_prefix, verifier, threads=threads, ahead=ahead,
                   on_bytes=on_bytes)

@@ -32,7 +32,7 @@ def _reshard(args: argparse.Namespace) -> int:
             res = reshard(src, job, args.step, args.to_world_size, dst=dst, out_job=out_job,
                           threads=args.threads, pack_threshold=args.pack_threshold,
                           workers=workers,
-                          on_plan=lambda plan: advance.set_total(plan.write_bytes),
+                          on_plan=lambda plan, mine: advance.set_total(mine),
                           on_bytes=advance)
     finally:
         src.close()

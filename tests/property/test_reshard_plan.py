@@ -277,3 +277,15 @@ def test_world_size_must_be_positive(world):
 def test_dtype_names_round_trip():
     for dt in DTYPES:
         assert dtype_from_name(str(dt).removeprefix("torch.")) == dt
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=3000), st.lists(st.integers(0, 3000), max_size=6))
+def test_crc32c_of_parts_combines_to_the_crc32c_of_the_whole(data, cuts):
+    import crc32c as _crc
+
+    from ckptd.reshard.crc import combine_parts
+
+    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    parts = [(a, b - a, _crc.crc32c(data[a:b])) for a, b in itertools.pairwise(bounds)]
+    assert combine_parts(parts) == (_crc.crc32c(data), len(data))
