@@ -9,6 +9,9 @@ The launcher starts a real ``ckptd serve`` (file:// storage under --root), spawn
 repetition (after --warmup unmeasured ones; the table shows medians over repetitions of
 the slowest rank):
 
+Variants are interleaved within each repetition, so the machine's drift (the disk's speed
+varies several-fold on shared VMs) affects all of them alike.
+
 * ``floor``      -- a plain copy of the rank's state bytes into an already-touched buffer;
 * ``dcp``        -- ``dcp.async_save`` with its default stager (fresh CPU copies per save);
 * ``dcp-reuse``  -- ``dcp.async_save`` with one ``DefaultStager(StagingOptions(
@@ -57,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Linear(dim, dim) layers (default 11 x 2048^2: ~0.28 GB/rank with AdamW)")
     p.add_argument("--batch", type=int, default=256, help="rows per forward/backward")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--root", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--staging-bytes", default=None,
                    help="daemon staging budget (default: 2 segments per rank, rounded)")
@@ -139,9 +142,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
     def dcp_state() -> dict[str, Any]:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
-    for variant in args.variants.split(","):
-        res = results.setdefault(variant, {"stall": [], "commit": [], "fwd_bwd": []})
-        for i in range(args.warmup + args.reps):
+    for i in range(args.warmup + args.reps):   # interleaved: drift hits every variant alike
+        for variant in args.variants.split(","):
+            res = results.setdefault(variant, {"stall": [], "commit": [], "fwd_bwd": []})
             step += 1
             train_step()
             dist.barrier()
@@ -171,7 +174,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
                 call = time.perf_counter() - t0
                 tf = time.perf_counter()
                 fwd_bwd()                       # the loop goes on while the copy runs
-                res["fwd_bwd"].append(time.perf_counter() - tf)
+                if i >= args.warmup:
+                    res["fwd_bwd"].append(time.perf_counter() - tf)
                 tw = time.perf_counter()
                 h.wait_staged()                 # what the next optimizer.step() waits for
                 stall = call + (time.perf_counter() - tw)

@@ -51,6 +51,7 @@ from ckptd.daemon.rpcerrors import (
     reason_of,
 )
 from ckptd.errors import (
+    AuthenticationError,
     CkptdError,
     ConfigError,
     DaemonUnavailableError,
@@ -197,6 +198,12 @@ class DaemonTransport(Transport):
         token = _token(token)
         if self.local:
             self._socket_path = target
+            sock_dir = os.path.dirname(target)
+            if os.path.isdir(sock_dir) and not os.access(sock_dir, os.X_OK):
+                raise AuthenticationError(
+                    f"this process (uid {os.getuid()}, groups {sorted(os.getgroups())}) may not "
+                    f"enter the daemon's socket directory {sock_dir}; add the training user to "
+                    "the daemon's socket group (see docs/OPERATIONS.md)")
             self._channel = grpc.insecure_channel("unix:" + target, options)
         else:
             ca = None
