@@ -9,9 +9,10 @@ Order of work (one process, or every worker of a ``torchrun`` job):
    A task fetches its source byte ranges (``ahead`` fetches in flight), records the
    crc32c of every fetched unit segment, places the bytes into one reused output buffer,
    checksums it and writes the destination object;
-3. the workers' results (object checksums, checksum parts) are gathered on worker 0,
-   which checks that every source unit's parts combine to its recorded crc32c, writes the
-   zarr metadata and the ``N`` rank manifests, and runs the commit protocol
+3. each worker writes the ``zarr.json`` of its arrays and makes everything it wrote
+   durable; the workers' results (object checksums, checksum parts) are gathered on
+   worker 0, which checks that every source unit's parts combine to its recorded crc32c,
+   writes the ``N`` rank manifests, and runs the commit protocol
    (:func:`ckptd.format.commit.try_commit`), which writes ``COMMITTED`` last.
 
 Nothing is committed unless every object was written and every byte read was verified;
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from ckptd.errors import CkptdError, ConfigError, CorruptCheckpointError
+from ckptd.errors import CkptdError, ConfigError, CorruptCheckpointError, StorageError
 from ckptd.format import paths
 from ckptd.format.checksum import crc32c, crc32c_zeros, zeros
 from ckptd.format.commit import read_commit, read_index, resolve_step, try_commit
@@ -188,6 +189,78 @@ def _pread_into(path: str, buf: memoryview, offset: int) -> int:
         os.close(fd)
 
 
+class _DeferredLocalWriter:
+    """Writes objects under a local root without an fsync per object, then makes them all
+    durable at once (:meth:`sync`): every file and every directory on their paths is
+    fsynced, 16 at a time.  Each object is still written to a temporary name and renamed
+    into place, so a reader never sees a partial object.
+
+    Only used for destination objects of a reshard, which nothing references until the
+    manifests are written, and :meth:`sync` runs before that; per-object fsyncs made the
+    copy ~25% slower on the project's machine.  A failed fsync fails the reshard (it is
+    never retried).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._files: list[str] = []
+
+    def put(self, key: str, data: Any) -> None:
+        from ckptd.storage.base import check_key
+
+        path = os.path.join(self.root, check_key(key))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        parts = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise StorageError(f"writing {key} under {self.root} failed: {exc}") from exc
+        with self._lock:
+            self._files.append(path)
+
+    def sync(self, prefix: str) -> None:
+        """fsync every file written and every directory from them up to ``root/prefix``'s
+        parent (new directories' entries included)."""
+        stop = os.path.dirname(os.path.join(self.root, prefix))
+        dirs: set[str] = set()
+        for f in self._files:
+            d = os.path.dirname(f)
+            while d.startswith(stop) and d not in dirs:
+                dirs.add(d)
+                if d == stop:
+                    break
+                d = os.path.dirname(d)
+
+        def fsync(path: str) -> None:
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise StorageError(
+                    f"fsync of {path} failed ({exc}); the resharded objects may not be "
+                    "durable, so nothing is committed. Check the disk and run it again."
+                ) from exc
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckptd-reshard-sync") as p:
+            list(p.map(fsync, self._files + sorted(dirs, key=len, reverse=True)))
+
+
 @dataclasses.dataclass
 class TaskResult:
     crc32c: int | None = None
@@ -214,6 +287,8 @@ class Executor:
         from ckptd.storage.fsspec_backend import LocalBackend
 
         self._local_root = src.root if isinstance(src, LocalBackend) else None
+        self._deferred = (_DeferredLocalWriter(dst.root) if isinstance(dst, LocalBackend)
+                          else None)
         self._io = ThreadPoolExecutor(max_workers=self.threads * self.ahead,
                                       thread_name_prefix="ckptd-reshard-io")
 
@@ -318,12 +393,13 @@ class Executor:
         res.piece_crcs = [(name, pi, crc32c(out[lo:hi])) for name, pi, lo, hi in t.piece_crcs]
         key = f"{self.dst_prefix}/{t.key}"
         assert self.dst is not None
+        put = self._deferred.put if self._deferred is not None else self.dst.put
         if t.pad:
             res.crc32c = crc32c_zeros(t.pad, crc)
-            self.dst.put(key, [out, zeros(t.pad)])
+            put(key, [out, zeros(t.pad)])
         else:
             res.crc32c = crc
-            self.dst.put(key, out)
+            put(key, out)
         res.written = t.nbytes + t.pad
         if self.on_bytes is not None:
             self.on_bytes(res.written)
@@ -331,6 +407,26 @@ class Executor:
 
     def run_verify(self, t: VerifyTask) -> TaskResult:
         return TaskResult(read=self.fetch_all(t.fetches, None))
+
+    def write_metadata(self, plan: ReshardPlan, arrays: set[str]) -> None:
+        """The ``zarr.json`` of every array in ``arrays`` (the ones this worker wrote)."""
+        metas: dict[str, Any] = {}
+        for rp in plan.ranks:
+            metas.update({k: m for k, m in rp.array_meta.items() if k in arrays})
+        assert self.dst is not None
+        put = self._deferred.put if self._deferred is not None else self.dst.put
+
+        def one(item: tuple[str, Any]) -> None:
+            name, m = item
+            put(f"{self.dst_prefix}/{name}/zarr.json",
+                dumps(array_doc(m.shape, m.dtype, m.chunk_shape)))
+
+        list(self._io.map(one, sorted(metas.items())))
+
+    def sync(self) -> None:
+        """Make every object written so far durable (a no-op unless writes were deferred)."""
+        if self._deferred is not None:
+            self._deferred.sync(self.dst_prefix)
 
     def run_task(self, t: ObjectTask | VerifyTask) -> TaskResult:
         return self.run_object(t) if isinstance(t, ObjectTask) else self.run_verify(t)
@@ -425,6 +521,7 @@ class ReshardResult:
     bytes_written: int
     seconds: float
     workers: int
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -484,10 +581,13 @@ def reshard(
                 "another --out, or omit --out to reshard in place."
             )
     index = read_index(src, rec)
+    phases: dict[str, float] = {"index": time.monotonic() - t0}
     src_prefix = paths.attempt_prefix(job, rec.step, rec.attempt)
     attempt = wk.broadcast_str(new_attempt_id(world_size) if wk.rank == 0 else "")
     dst_prefix = paths.attempt_prefix(out_job, rec.step, attempt)
+    t1 = time.monotonic()
     plan = plan_reshard(index, world_size, pack_threshold=pack_threshold, max_fetch=max_fetch)
+    phases["plan"] = time.monotonic() - t1
     mine = assign_tasks(plan, wk.size)[wk.rank]
     tasks = plan.tasks
     if on_plan is not None:
@@ -499,7 +599,11 @@ def reshard(
     local: dict[str, Any] = {"error": None, "objects": {}, "pieces": [], "parts": [],
                              "read": 0, "written": 0}
     try:
+        t1 = time.monotonic()
         results = ex.run([tasks[i] for i in mine])
+        ex.write_metadata(plan, {plan.objects[i].array for i in mine if i < len(plan.objects)})
+        ex.sync()  # durable before worker 0 writes manifests that reference them
+        phases["copy"] = time.monotonic() - t1
         for i, res in zip(mine, results):
             local["read"] += res.read
             local["written"] += res.written
@@ -521,7 +625,9 @@ def reshard(
     err_type = ""
     if wk.rank == 0:
         try:
+            t1 = time.monotonic()
             _finish(plan, gathered, dst, out_job, rec.step, attempt, dst_prefix)
+            phases["commit"] = time.monotonic() - t1
         except Exception as exc:
             status = str(exc) if isinstance(exc, CkptdError) else f"{type(exc).__name__}: {exc}"
             err_type = type(exc).__name__
@@ -542,6 +648,7 @@ def reshard(
         bytes_read=sum(int(g["read"]) for g in gathered),
         bytes_written=sum(int(g["written"]) for g in gathered),
         seconds=time.monotonic() - t0, workers=wk.size,
+        phases={k: round(v, 3) for k, v in phases.items()},
     )
 
 
@@ -590,9 +697,6 @@ def _finish(plan: ReshardPlan, gathered: list[dict], dst: StorageBackend, job: s
     chunk_crc: dict[tuple[int, str, str], int] = {}
     for i, o in enumerate(plan.objects):
         chunk_crc[(o.rank, o.array, o.chunk)] = crcs[i]
-    metas: dict[str, Any] = {}
-    for rp in plan.ranks:
-        metas.update(rp.array_meta)
     manifests = []
     for r, rp in enumerate(plan.ranks):
         arrays = {
@@ -613,8 +717,6 @@ def _finish(plan: ReshardPlan, gathered: list[dict], dst: StorageBackend, job: s
             param_groups=plan.param_groups,
         ))
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="ckptd-reshard-meta") as pool:
-        list(pool.map(lambda kv: dst.put(f"{prefix}/{kv[0]}/zarr.json", dumps(array_doc(
-            kv[1].shape, kv[1].dtype, kv[1].chunk_shape))), sorted(metas.items())))
         list(pool.map(lambda m: dst.put(paths.rank_manifest_key(prefix, m.rank),
                                         dumps(m.to_json())), manifests))
     index = try_commit(dst, job, step, attempt, plan.world_size)

@@ -143,23 +143,26 @@ def test_reshard_under_a_torchrun_group_splits_the_work(work_root):
 
 KILLER = r"""
 import os, sys, time
+import ckptd.reshard.run as rr
 from ckptd.storage import open_storage
-from ckptd.reshard.run import reshard
 
 root, marker, out = sys.argv[1], sys.argv[2], sys.argv[3]
 storage = open_storage(root)
-real_put = storage.put
 count = [0]
 
-def put(key, data):
-    real_put(key, data)
-    count[0] += 1
-    if count[0] == 5:            # some objects of the new attempt are durable ...
-        open(marker, "w").close()
-        time.sleep(600)          # ... and here the test SIGKILLs us
+def counted(put):
+    def wrapper(self, key, data):
+        put(self, key, data)
+        count[0] += 1
+        if count[0] == 5:        # some objects of the new attempt are written ...
+            open(marker, "w").close()
+            time.sleep(600)      # ... and here the test SIGKILLs us
+    return wrapper
 
-storage.put = put
-reshard(storage, "fsdp2-w4", None, 3, out_job=out or None, threads=1, pack_threshold=0)
+# data objects go through the executor's deferred local writer, metadata through put
+rr._DeferredLocalWriter.put = counted(rr._DeferredLocalWriter.put)
+type(storage).put = counted(type(storage).put)
+rr.reshard(storage, "fsdp2-w4", None, 3, out_job=out or None, threads=1, pack_threshold=0)
 """
 
 
@@ -191,10 +194,13 @@ def test_sigkill_midway_commits_nothing_and_leaves_the_source_untouched(work_roo
         new_files = {k for k in snapshot(root, "fsdp2-w4") if k not in before}
         assert new_files and all(k.startswith("000000000003/reshard-w3-") for k in new_files)
         assert all(not k.endswith(("COMMITTED", "index.json")) for k in new_files)
+        assert all("/_ranks/" not in k for k in new_files)  # killed while copying data
         assert {k: v for k, v in snapshot(root, "fsdp2-w4").items() if k in before} == before
     else:
         assert snapshot(root, "fsdp2-w4") == before
         assert [s.committed for s in list_steps(storage, "killed-out")] == [False]
+        assert storage.list_files("killed-out") and not [
+            k for k in storage.list_files("killed-out") if "/_ranks/" in k]
         assert main(["ls", f"file://{root}/killed-out", "--json"]) == 0
     # ... ckptd ls and load still see the old checkpoint, and a retry succeeds
     assert resolve_step(storage, "fsdp2-w4", None).world_size == 4
