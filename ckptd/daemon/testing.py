@@ -74,8 +74,21 @@ class DaemonProcess:
         self.stop()
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """(inode, ctime in ns) of ``path``, or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
 def wait_serving(socket_path: str, timeout: float, proc: subprocess.Popen | None = None,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None,
+                 old_socket: tuple[int, int] | None = None) -> None:
+    """Wait until the daemon on ``socket_path`` is SERVING; with ``proc``, until *that*
+    process serves it (``old_socket``: identity of a socket file there before it started,
+    e.g. the leftover of a killed daemon, which the new one replaces)."""
     from ckptd.daemon.cli import check_health
 
     deadline = time.monotonic() + timeout
@@ -83,9 +96,10 @@ def wait_serving(socket_path: str, timeout: float, proc: subprocess.Popen | None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             break
-        if os.path.exists(socket_path):
+        ident = _identity(socket_path)
+        if ident is not None and ident != old_socket:
             status = check_health("unix:" + socket_path, timeout=2.0)
-            if status == "SERVING":
+            if status == "SERVING" and (proc is None or proc.poll() is None):
                 return
         time.sleep(0.05)
     log = ""
@@ -122,6 +136,12 @@ def start_daemon(storage_uri: str, socket_path: str, *, staging_bytes: str | int
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env.setdefault("OMP_NUM_THREADS", "1")
+    from ckptd.daemon.cli import check_health
+
+    old_socket = _identity(socket_path)
+    if old_socket is not None and check_health("unix:" + socket_path, timeout=2.0) == "SERVING":
+        raise DaemonUnavailableError(
+            f"another ckptd daemon is already serving on {socket_path}; stop it first")
     tcp = None
     if "--listen" in extra_args:
         tcp = list(extra_args)[list(extra_args).index("--listen") + 1]
@@ -129,7 +149,7 @@ def start_daemon(storage_uri: str, socket_path: str, *, staging_bytes: str | int
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env=full_env, start_new_session=True)
     try:
-        wait_serving(socket_path, timeout, proc, log_path)
+        wait_serving(socket_path, timeout, proc, log_path, old_socket)
     except BaseException:
         if proc.poll() is None:
             proc.kill()

@@ -8,6 +8,8 @@ import fcntl
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 
@@ -353,3 +355,27 @@ def test_retention_after_commit(tmp_path, daemons: Daemons):
         threading.Event().wait(0.05)
     assert committed_steps(store, "keep") == [10, 13, 14], d.log()
     assert "retention applied" in d.log()
+
+
+def test_socket_directory_and_socket_modes(daemons: Daemons):
+    """Created under a restrictive umask inside a 0750 (setgid, socket group) directory."""
+    import stat
+
+    gid = os.getgid()
+    d = daemons.start(extra_args=("--socket-group", str(gid)))
+    st = os.stat(os.path.dirname(d.socket))
+    assert stat.S_IMODE(st.st_mode) == 0o2750 and st.st_gid == gid
+    for path in (d.socket, d.socket + ".fds"):
+        sst = os.stat(path)
+        assert stat.S_ISSOCK(sst.st_mode) and stat.S_IMODE(sst.st_mode) == 0o660, oct(sst.st_mode)
+        assert sst.st_gid == gid
+    # a second daemon on the same socket is refused while the first serves (the daemon itself
+    # refuses too, not only the helper)
+    with pytest.raises(Exception, match="already serving"):
+        daemons.start(socket_path=d.socket)
+    second = subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "serve", "--storage", f"file://{d.log_path}.x",
+         "--socket", d.socket, "--metrics-port", "0"], capture_output=True, text=True, timeout=60,
+        check=False)
+    assert second.returncode == 2 and "already serving" in second.stderr
+    assert check_health("unix:" + d.socket) == "SERVING"
