@@ -221,10 +221,15 @@ def timed(cmd: list[str]) -> tuple[float, int, str]:
 
 def measure_reshard(root: str, job: str, to: int, threads: int, reps: int,
                     tag: str) -> dict[str, Any]:
+    """cp -r, cp -r + sync and ckptd reshard of the same attempt, interleaved per
+    repetition (the machine is shared: interleaving exposes all three to the same load)."""
     src = attempt_dir(root, job)
     nbytes = dir_bytes(src)
-    res: dict[str, Any] = {"job": job, "bytes": nbytes, "cp": [], "cp_sync": [], "reshard": []}
+    res: dict[str, Any] = {"job": job, "bytes": nbytes, "cp": [], "cp_sync": [], "reshard": [],
+                           "reshard_inner_s": [], "loadavg": []}
+    rss = 0
     for i in range(reps):
+        res["loadavg"].append(round(os.getloadavg()[0], 1))
         dst = os.path.join(root, f"cp-{tag}-{i}")
         evict(src)
         res["cp"].append(timed(["cp", "-r", src, dst])[0])
@@ -235,18 +240,15 @@ def measure_reshard(root: str, job: str, to: int, threads: int, reps: int,
         subprocess.run(["sync"], check=True)
         res["cp_sync"].append(time.perf_counter() - t0)
         shutil.rmtree(dst)
-    rss = 0
-    for i in range(reps):
         out_job = f"{job}-to{to}-{tag}-{i}"
         evict(src)
-        # a fresh interpreter per run: RUSAGE_CHILDREN keeps the max over all children, so
-        # measure RSS through /proc of a wrapper instead
         dt, _, stdout = timed([sys.executable, "-c", _RSS_WRAPPER, "reshard",
                                f"file://{root}/{job}", "--to-world-size", str(to), "--out",
                                f"file://{root}/{out_job}", "--threads", str(threads), "--json"])
         doc = json.loads(stdout.strip().splitlines()[-1])
         res["reshard"].append(dt)
-        res["reshard_inner_s"] = res.get("reshard_inner_s", []) + [doc["result"]["seconds"]]
+        res["reshard_inner_s"].append(doc["result"]["seconds"])
+        res["phases"] = doc["result"].get("phases")
         rss = max(rss, doc["peak_rss"])
         res["reshard_written"] = doc["result"]["bytes_written"]
         res["reshard_read"] = doc["result"]["bytes_read"]
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{cp / rs:.2f}x  vs cp+sync {cps / rs:.2f}x  peak RSS "
               f"{r['reshard_peak_rss'] / 2**20:.0f} MiB (baseline "
               f"{r['baseline_rss'] / 2**20:.0f} MiB, largest object "
-              f"{r['max_object'] / 2**20:.0f} MiB)", flush=True)
+              f"{r['max_object'] / 2**20:.0f} MiB); load avg {r['loadavg']}", flush=True)
     results["reshard"] = rows
 
     # -- 3. load at --to ranks
@@ -343,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         times = json.load(f)
     results["load"] = times
     gb = main_row["bytes"] / 1e9
+    print(f"load avg at the end: {os.getloadavg()[0]:.1f}")
     for v in ("ckptd-original", "ckptd-resharded", "dcp"):
         med = statistics.median(times[v])
         print(f"load at {args.dst} ranks: {v:16s} median {med:.2f}s ({gb / med:.2f} GB/s) "
