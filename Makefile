@@ -31,5 +31,8 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m ruff check ckptd client tests bench || true
 
+proto: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gen_proto.sh
+
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .hypothesis

@@ -29,7 +29,7 @@ from ckptd.format.commit import read_index, resolve_step
 from ckptd.format.dtypes import dtype_from_name
 from ckptd.format.items import LoadTarget, SaveItem
 from ckptd.format.layout import Region
-from ckptd.format.plan import DEFAULT_PACK_THRESHOLD, plan_rank_save
+from ckptd.format.plan import DEFAULT_PACK_THRESHOLD, RankPlan, plan_rank_save
 from ckptd.format.reader import CheckpointReader
 from ckptd.format.writer import SaveIdentity
 from ckptd_client import extra as extra_state
@@ -186,6 +186,8 @@ class CheckpointClient:
                 daemon, job=self.job, rank=self.rank, world_size=self.world_size,  # type: ignore[arg-type]
                 token=token, commit_timeout=commit_timeout)
         self._inflight: list[SaveHandle] = []
+        self._adapter_for: tuple[torch.nn.Module, Any] | None = None
+        self._last_plan: tuple[tuple, RankPlan] | None = None
         self._overlap_hooks: list[Any] = []
 
     # -- saving --------------------------------------------------------------------------
@@ -199,9 +201,28 @@ class CheckpointClient:
             self._counters.seq += 1
             return f"{self.launch_id}.{self._counters.seq}"
 
+    def _adapter(self, model: torch.nn.Module) -> Any:
+        """One adapter per model, kept across saves (adapters cache where state lives)."""
+        if self._adapter_for is None or self._adapter_for[0] is not model:
+            self._adapter_for = (model, adapter_for(model))
+        return self._adapter_for[1]
+
+    def _plan(self, items: list[SaveItem]) -> RankPlan:
+        """Plan the save; reuse the previous plan when the layout is unchanged (the usual
+        case: the same model saved every N steps), which keeps planning off the stall."""
+        key = (self.rank, self.world_size, self.pack_threshold, tuple(
+            (it.name, it.global_shape, it.dtype, it.region, it.replicated, it.writer,
+             it.chunk_shape, it.logical, tuple(it.views), tuple(it.local.shape))
+            for it in items))
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        plan = plan_rank_save(items, self.rank, self.world_size, self.pack_threshold)
+        self._last_plan = (key, plan)
+        return plan
+
     def _collect(self, model: torch.nn.Module, optimizer: Any, extra: Any) -> tuple[
             list[SaveItem], list[dict], Any, str]:
-        adapter = adapter_for(model)
+        adapter = self._adapter(model)
         state = adapter.save_state(model, optimizer)
         tensors: list[torch.Tensor] = []
         doc = {
@@ -237,7 +258,7 @@ class CheckpointClient:
         self._counters.next_step = step + 1
         self._counters.saves += 1
         items, groups, doc, framework = self._collect(model, optimizer, extra)
-        plan = plan_rank_save(items, self.rank, self.world_size, self.pack_threshold)
+        plan = self._plan(items)
         ident = SaveIdentity(self.job, step, self._next_attempt(), self.rank, self.world_size,
                              framework)
         lease = self._acquire(plan.nbytes)

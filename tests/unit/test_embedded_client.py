@@ -330,3 +330,41 @@ def test_save_and_load_through_zarr_python(tmp_path):
                        src.wbf16.detach())
     assert np.array_equal(g["model/mask"][:], src.mask.numpy())
     c.close()
+
+
+def test_repeated_saves_reuse_the_state_map_and_see_every_change(tmp_path, monkeypatch):
+    """After the first save the adapter reads live tensors from a cached map (no
+    get_model_state_dict call in the loop), yet each save holds the state of its moment:
+    in-place updates, a replaced parameter, optimizer state that appeared later."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    calls = {"n": 0}
+    real = sd.get_model_state_dict
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(sd, "get_model_state_dict", counting)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 400), torch.nn.Linear(400, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    c = CheckpointClient("cache", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=1)                       # no optimizer state yet
+    model(torch.randn(3, 300)).sum().backward()
+    opt.step()                                                 # state appears, params move
+    c.save(model, optimizer=opt, step=2)
+    with torch.no_grad():
+        model[1].weight = torch.nn.Parameter(torch.full((2, 400), 7.0))  # replaced object
+    c.save(model, optimizer=opt, step=3)
+    assert calls["n"] == 1
+    for step in (2, 3):
+        fresh = torch.nn.Sequential(torch.nn.Linear(300, 400), torch.nn.Linear(400, 2))
+        fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+        c.load(fresh, optimizer=fopt, step=step, strict=step == 2)
+        assert torch.equal(fresh[0].weight, model[0].weight)
+        want = model[1].weight if step == 3 else None
+        if want is not None:
+            assert torch.equal(fresh[1].weight, want)
+        st = fopt.state_dict()["state"]
+        assert torch.equal(st[0]["exp_avg"], opt.state[model[0].weight]["exp_avg"])
+    c.close()
