@@ -34,7 +34,7 @@ from ckptd.format.reader import CheckpointReader
 from ckptd.format.writer import SaveIdentity
 from ckptd_client import extra as extra_state
 from ckptd_client.adapters import TensorMeta, adapter_for
-from ckptd_client.staging import stage
+from ckptd_client.staging import ready_event, stage
 from ckptd_client.transport.base import Lease, Transport
 
 log = logging.getLogger("ckptd.client")
@@ -271,9 +271,11 @@ class CheckpointClient:
                                   self._transport.url, skipped=True)
             return SaveHandle(step, _done_future(), _done_future(info))
 
+        ready = ready_event(items)  # CUDA: the values as of this call
+
         def do_stage() -> None:
             try:
-                stage(plan, items, lease.buffer)
+                stage(plan, items, lease.buffer, ready)
             except BaseException:
                 lease.release()
                 raise

@@ -8,6 +8,8 @@ run at full speed and asynchronously.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ckptd.format.items import SaveItem
@@ -31,24 +33,59 @@ class StagingBuffer:
         return self.tensor[:nbytes]
 
 
+def ready_event(items: list[SaveItem]) -> object | None:
+    """A CUDA event recorded now on the current stream if any item lives on a GPU.
+
+    Call it on the training thread when the save is taken: the staging copies wait for it
+    (the values as of this point), not for kernels the loop enqueues afterwards.
+    """
+    devs = {it.local.device for it in items if it.local.is_cuda}
+    if not devs:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(next(iter(devs))))
+    return ev
+
+
+_SIDE_STREAMS: dict[object, object] = {}
+
+
+def _side_stream(device: torch.device) -> object:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
 def stage(plan: RankPlan, items: list[SaveItem], buffer: torch.Tensor,
-          stream: object | None = None) -> None:
+          ready: object | None = None) -> None:
     """Copy every planned item into ``buffer`` (1-D uint8) and zero the alignment gaps.
 
-    On return (after ``torch.cuda.current_stream().synchronize()`` if a stream was used)
-    the buffer holds the save's bytes and the live tensors may change again.
+    Device tensors are copied on a side stream (so the copies overlap the loop's compute)
+    after ``ready`` (from :func:`ready_event`; the current stream's work so far if None),
+    into the page-locked buffer, and waited for: on return the buffer holds the save's
+    bytes.  Called from the training thread (copy mode) or a staging thread (overlap mode).
     """
+    cuda = [items[c.item].local.device for c in plan.copies if items[c.item].local.is_cuda]
+    ctx = contextlib.nullcontext()
+    side = None
+    if cuda:
+        side = _side_stream(cuda[0])
+        if ready is None:
+            ready = ready_event([items[plan.copies[0].item]] if plan.copies else [])
+        side.wait_event(ready)  # type: ignore[attr-defined]
+        ctx = torch.cuda.stream(side)  # type: ignore[assignment]
     end = 0
-    for c in sorted(plan.copies, key=lambda c: c.offset):
-        if c.offset > end:
-            buffer[end:c.offset].zero_()
-        item = items[c.item]
-        dst = buffer[c.offset:c.offset + c.nbytes]
-        src = item.local
-        if c.nbytes:
-            dst.view(item.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
-        end = c.offset + c.nbytes
-    if plan.nbytes > end:
-        buffer[end:plan.nbytes].zero_()
-    if any(items[c.item].local.is_cuda for c in plan.copies):
-        torch.cuda.current_stream().synchronize()
+    with ctx:
+        for c in sorted(plan.copies, key=lambda c: c.offset):
+            if c.offset > end:
+                buffer[end:c.offset].zero_()
+            item = items[c.item]
+            dst = buffer[c.offset:c.offset + c.nbytes]
+            src = item.local
+            if c.nbytes:
+                dst.view(item.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
+            end = c.offset + c.nbytes
+        if plan.nbytes > end:
+            buffer[end:plan.nbytes].zero_()
+    if side is not None:
+        side.synchronize()  # type: ignore[attr-defined]
