@@ -49,9 +49,17 @@ def pack_array(rank: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StageCopy:
+    """Copy item ``item`` to buffer bytes ``[offset, offset+nbytes)``.
+
+    With ``chunk_shape`` set, the destination is a whole zarr chunk of that shape and the
+    item fills its leading corner (an edge chunk cut short along a dim other than 0: zarr
+    stores edge chunks at full size, so the padding sits inside each row, not at the end).
+    """
+
     item: int
     offset: int
     nbytes: int
+    chunk_shape: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +99,9 @@ class RankPlan:
     def to_json(self) -> dict:
         return {
             "nbytes": self.nbytes,
-            "copies": [[c.item, c.offset, c.nbytes] for c in self.copies],
+            "copies": [[c.item, c.offset, c.nbytes]
+                       + ([list(c.chunk_shape)] if c.chunk_shape is not None else [])
+                       for c in self.copies],
             "writes": [[w.key, w.offset, w.nbytes, w.pad, w.array, w.chunk] for w in self.writes],
             "array_meta": {
                 k: {"shape": list(m.shape), "dtype": m.dtype, "chunk_shape": list(m.chunk_shape)}
@@ -106,7 +116,9 @@ class RankPlan:
     def from_json(d: dict) -> RankPlan:
         return RankPlan(
             nbytes=int(d["nbytes"]),
-            copies=[StageCopy(int(a), int(b), int(c)) for a, b, c in d["copies"]],
+            copies=[StageCopy(int(c[0]), int(c[1]), int(c[2]),
+                              tuple(int(x) for x in c[3]) if len(c) > 3 else None)
+                    for c in d["copies"]],
             writes=[
                 ObjectWrite(str(k), int(o), int(n), int(p), str(a), None if c is None else str(c))
                 for k, o, n, p, a, c in d["writes"]
@@ -212,7 +224,12 @@ def plan_rank_save(
         rec.chunks[chunk_id(coords)] = ChunkRecord(nbytes + pad, 0)
         if all(c == 0 for c in coords):
             plan.array_meta[array] = ArrayMeta(shape, dt, tuple(chunk_shape))
-        plan.copies.append(StageCopy(i, buf, nbytes))
+        if tuple(item.region.shape[1:]) != tuple(chunk_shape[1:]):
+            # cut short along a dim other than 0: stage the whole padded chunk
+            nbytes, pad = nbytes + pad, 0
+            plan.copies.append(StageCopy(i, buf, nbytes, tuple(chunk_shape)))
+        else:
+            plan.copies.append(StageCopy(i, buf, nbytes))
         plan.writes.append(ObjectWrite(f"{array}/{chunk_key(coords)}", buf, nbytes, pad, array,
                                        chunk_id(coords)))
         if item.logical:

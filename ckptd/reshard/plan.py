@@ -708,6 +708,8 @@ def plan_reshard(index: Index, world: int, *, pack_threshold: int = DEFAULT_PACK
             while k < len(by_offset) and by_offset[k].offset < w.offset + w.nbytes:
                 c = by_offset[k]
                 k += 1
+                if c.chunk_shape is not None:  # reshard output is chunked along dim 0 only
+                    raise AssertionError(f"reshard planned a padded edge chunk for {w.key}")
                 item = items[r][c.item]
                 src = sources[item.name]
                 rec = source_record(index, src)

@@ -82,7 +82,12 @@ def stage(plan: RankPlan, items: list[SaveItem], buffer: torch.Tensor,
             item = items[c.item]
             dst = buffer[c.offset:c.offset + c.nbytes]
             src = item.local
-            if c.nbytes:
+            if c.chunk_shape is not None:
+                dst.zero_()
+                corner = tuple(slice(0, n) for n in src.shape)
+                dst.view(item.dtype).view(c.chunk_shape)[corner].copy_(
+                    src, non_blocking=src.is_cuda)
+            elif c.nbytes:
                 dst.view(item.dtype).view(src.shape).copy_(src, non_blocking=src.is_cuda)
             end = c.offset + c.nbytes
         if plan.nbytes > end:

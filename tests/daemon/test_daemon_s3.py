@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ckptd_client import CheckpointClient
-from s3fixture import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from ckptd.format.commit import committed_steps
 from ckptd.storage import open_storage

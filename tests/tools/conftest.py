@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from s3fixture import s3_options, s3_server, s3_uri  # noqa: F401
 
 SAVE_WORLDS = (2, 4)
 FRAMEWORKS = ("fsdp2", "fsdp1", "fairscale")
