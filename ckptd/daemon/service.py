@@ -178,13 +178,23 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
             seg = slot.segment
             assert seg is not None
             seg.check()
-            plan = validate.plan(request.plan_json, seg.size)
-            extra = validate.json_doc(request.extra_json, "extra")
-            groups = validate.param_groups(request.param_groups_json)
+            plan, extra, groups = self._parse(request, seg.size)
             buffer = seg.view(plan.nbytes)
         except BaseException:
             self.pool.give_back(slot)
             raise
+        return self._submit(ident, request, slot, plan, buffer, extra, groups)
+
+    @staticmethod
+    def _parse(request: pb.SaveRequest, size: int) -> tuple[Any, Any, Any]:
+        """Validate a Save's plan (against ``size`` staged bytes), extra and param groups."""
+        return (validate.plan(request.plan_json, size),
+                validate.json_doc(request.extra_json, "extra"),
+                validate.param_groups(request.param_groups_json))
+
+    def _submit(self, ident: Any, request: pb.SaveRequest, slot: Any, plan: Any, buffer: Any,
+                extra: Any, groups: Any) -> pb.SaveResponse:
+        """Queue a validated save; the slot goes back to the pool once the rank is durable."""
         rec = self.pipeline.submit(ident, plan, buffer, extra=extra, param_groups=groups,
                                    commit_timeout=request.commit_timeout_s,
                                    done=lambda: self.pool.give_back(slot))
@@ -209,9 +219,7 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
             return self._duplicate(existing)
         slot = self.pool.lend(session, request.segment_id, "stream")
         try:
-            plan = validate.plan(request.plan_json, slot.size)
-            extra = validate.json_doc(request.extra_json, "extra")
-            groups = validate.param_groups(request.param_groups_json)
+            plan, extra, groups = self._parse(request, slot.size)
             buf = slot.stream = StreamBuffer(plan.nbytes)
             async for msg in it:
                 if msg.WhichOneof("part") != "data":
@@ -224,10 +232,7 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         except BaseException:
             self.pool.give_back(slot)
             raise
-        rec = self.pipeline.submit(ident, plan, buffer, extra=extra, param_groups=groups,
-                                   commit_timeout=request.commit_timeout_s,
-                                   done=lambda: self.pool.give_back(slot))
-        return pb.SaveResponse(save_id=rec.save_id, state=rec.state)  # type: ignore[arg-type]
+        return self._submit(ident, request, slot, plan, buffer, extra, groups)
 
     @_unary
     async def GetSaveStatus(self, request: pb.GetSaveStatusRequest,
