@@ -159,7 +159,14 @@ class LocalBackend(FsspecBackend):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         try:
             self._ensure_dir(parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the directory was removed (e.g. by gc) since cached
+                with self._dir_lock:
+                    self._known_dirs = {d for d in self._known_dirs
+                                        if not parent.startswith(d)}
+                self._ensure_dir(parent)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 for part in _as_list(data):
                     view = memoryview(part).cast("B")

@@ -113,6 +113,18 @@ class StorageConformance:
             backend.delete([""])
         assert backend.get("k") == b"1"
 
+    def test_put_after_its_directory_was_removed_elsewhere(self, backend: StorageBackend
+                                                           ) -> None:
+        backend.put("job/1/a", b"1")
+        import shutil
+
+        if isinstance(backend, LocalBackend):  # another process (gc) removed the directory
+            shutil.rmtree(os.path.join(backend.root, "job"))
+        else:
+            backend.delete_prefix("job")
+        backend.put("job/1/b", b"2")
+        assert backend.get("job/1/b") == b"2"
+
     def test_delete_prefix_of_the_root_keeps_the_backend_usable(self, backend: StorageBackend
                                                                 ) -> None:
         backend.put("a/b", b"1")
