@@ -70,6 +70,14 @@ def _small_model():
     return m, torch.optim.SGD(m.parameters(), lr=0.1)
 
 
+def _wait_until_draining(d) -> None:
+    """Poll health (bounded) until the daemon has stopped SERVING after a SIGTERM."""
+    for _ in range(200):
+        if check_health("unix:" + d.socket) != "SERVING":
+            break
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_saves_and_exits_0(tmp_path, daemons):
     root = str(tmp_path)
@@ -80,10 +88,7 @@ def test_sigterm_drains_in_flight_saves_and_exits_0(tmp_path, daemons):
     h = client.save_async(m, optimizer=opt, step=1)
     d.proc.send_signal(signal.SIGTERM)
     # draining: not SERVING any more, new saves are refused, the accepted one is still owed
-    for _ in range(200):
-        if check_health("unix:" + d.socket) != "SERVING":
-            break
-        time.sleep(0.05)
+    _wait_until_draining(d)
     assert check_health("unix:" + d.socket) == "NOT_SERVING"
     with pytest.raises(DaemonUnavailableError, match="draining|shutting down"):
         client.save_async(m, optimizer=opt, step=2).result(30)
@@ -103,10 +108,7 @@ def test_second_sigterm_aborts_without_committing(tmp_path, daemons):
     client = CheckpointClient("abort", daemon=d.address)
     h = client.save_async(m, optimizer=opt, step=1)
     d.proc.send_signal(signal.SIGTERM)
-    for _ in range(200):
-        if check_health("unix:" + d.socket) != "SERVING":
-            break
-        time.sleep(0.05)
+    _wait_until_draining(d)
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(60) == 1
     with pytest.raises(DaemonUnavailableError, match="will not commit"):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ckptd_client import CheckpointClient
 from integration.test_torch_fsdp import build, full_state, save_job
 from torch import nn
+from fairscale_helpers import unpadded_lengths
 
 TORCH_FRAMEWORKS = ("fsdp2", "fsdp1")
 CPU = torch.device("cpu")
@@ -110,17 +111,6 @@ def fairscale_save(rank: int, world: int, root: str, job: str) -> None:
         torch.save(fairscale_expected(11), os.path.join(root, f"{job}.expected.pt"))
 
 
-def _valid(model: nn.Module) -> dict[int, int]:
-    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
-
-    out = {}
-    for m in model.modules():
-        if isinstance(m, FSDP):
-            for p, pad in zip(m.params, m.numel_padded_per_param):
-                out[id(p)] = p.numel() - pad
-    return out
-
-
 def fairscale_load(rank: int, world: int, root: str, jobs: list[str]) -> None:
     """Load each job at ``world`` ranks and compare every local shard (parameters and
     optimizer state) with what fairscale itself builds from the expected full values."""
@@ -140,7 +130,7 @@ def fairscale_load(rank: int, world: int, root: str, jobs: list[str]) -> None:
                 for n, p in u.named_parameters():
                     p.copy_(exp[f"model/{n}"] if key == "model" else exp[f"optim/{n}/{key}"])
             refs[key] = fairscale_wrap(u)
-        valid = _valid(model)
+        valid = unpadded_lengths(model)
         params = list(model.parameters())
         for key, ref in refs.items():
             for p, pr in zip(params, ref.parameters(), strict=True):

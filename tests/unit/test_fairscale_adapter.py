@@ -35,6 +35,7 @@ from torch import nn
 from ckptd.format.items import SaveItem
 from ckptd_client.adapters.base import TensorMeta
 from ckptd_client.adapters.fairscale_fsdp import FairscaleAdapter
+from fairscale_helpers import unpadded_lengths
 
 pytestmark = pytest.mark.slow
 
@@ -364,18 +365,6 @@ def _check_case(case: Case, rank: int, world: int, pg1: Any) -> None:
     assert isinstance(_inner(model2, case), FSDP)
 
 
-def _valid_len(model: nn.Module) -> dict[int, int]:
-    """Unpadded length of every fairscale shard of ``model`` (by parameter id)."""
-    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
-
-    out = {}
-    for m in model.modules():
-        if isinstance(m, FSDP):
-            for p, pad in zip(m.params, m.numel_padded_per_param):
-                out[id(p)] = p.numel() - pad
-    return out
-
-
 def _check_loaded(
     case: Case,
     model: nn.Module,
@@ -385,7 +374,7 @@ def _check_loaded(
     refs: dict[str, nn.Module],
     with_padding: bool,
 ) -> None:
-    valid = _valid_len(model)
+    valid = unpadded_lengths(model)
 
     def same(a: torch.Tensor, b: torch.Tensor, p: torch.Tensor) -> bool:
         if not with_padding and id(p) in valid:
