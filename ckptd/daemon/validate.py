@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError, StagingError
 from ckptd.format import paths
-from ckptd.format.dtypes import dtype_from_name, itemsize
+from ckptd.format.dtypes import check_name, itemsize
 from ckptd.format.plan import RankPlan
 from ckptd.format.writer import SaveIdentity, validate_plan
 from ckptd.storage.base import check_key
@@ -60,9 +60,8 @@ def _array_name(name: object, what: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _known_dtype(name: str) -> tuple[Any, int]:
-    dt = dtype_from_name(name)
-    return dt, itemsize(dt)
+def _known_dtype(name: str) -> tuple[str, int]:
+    return check_name(name), itemsize(name)
 
 
 def _dtype(name: str, what: str) -> Any:

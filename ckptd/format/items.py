@@ -12,10 +12,22 @@ fill).  Names are *logical* names:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
+from ckptd.format.dtypes import DType
 from ckptd.format.layout import Region, Shape
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """Stands in for a local tensor when only the layout is planned (reshard plans the
+    destination ranks' saves without any tensor data, and without torch)."""
+
+    shape: Shape
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +36,7 @@ class FlatView:
 
     name: str
     shape: Shape
-    dtype: torch.dtype
+    dtype: DType
     start: int
 
 
@@ -41,8 +53,8 @@ class SaveItem:
 
     name: str
     global_shape: Shape
-    dtype: torch.dtype
-    local: torch.Tensor
+    dtype: DType
+    local: torch.Tensor | Placeholder
     region: Region
     replicated: bool = False
     writer: bool = True

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckptd.errors import ConfigError
 from ckptd.format.dtypes import dtype_name, itemsize
 from ckptd.format.items import SaveItem
 from ckptd.format.layout import Region, balance_owners, grid_coords, is_grid_chunk
 from ckptd.format.manifest import ArrayRecord, ChunkRecord, Piece, TensorRecord
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64
 DEFAULT_PACK_THRESHOLD = 1 << 20  # tensors smaller than 1 MiB go into the rank's pack

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptd.format.dtypes import dtype_from_name, zarr_data_type, zarr_fill_value
+from ckptd.format.dtypes import zarr_data_type, zarr_fill_value
 
 
 def array_doc(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) -> dict[str, Any]:
-    tdt = dtype_from_name(dtype)
     return {
         "zarr_format": 3,
         "node_type": "array",
         "shape": list(shape),
-        "data_type": zarr_data_type(tdt),
+        "data_type": zarr_data_type(dtype),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": zarr_fill_value(tdt),
+        "fill_value": zarr_fill_value(dtype),
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
         "attributes": {"ckptd": {"torch_dtype": dtype}},
         "storage_transformers": [],

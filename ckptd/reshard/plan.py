@@ -1,5 +1,5 @@
 """Reshard planning: which bytes of which source objects make each object of the resharded
-checkpoint.  Pure: no I/O, no tensor data (shapes only; torch meta tensors stand in for data).
+checkpoint.  Pure: no I/O, no tensor data (shapes only; :class:`Placeholder` s stand in for data).
 
 :func:`plan_reshard` lays a committed checkpoint out as if it had been saved at world size
 ``N``, by running the save planner (:func:`ckptd.format.plan.plan_rank_save`) once per
@@ -40,11 +40,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ckptd.errors import ConfigError, CorruptCheckpointError
-from ckptd.format.dtypes import dtype_from_name, itemsize
-from ckptd.format.items import FlatView, SaveItem
+from ckptd.format.dtypes import check_name, itemsize
+from ckptd.format.items import FlatView, Placeholder, SaveItem
 from ckptd.format.layout import (
     Region,
     Shape,
@@ -453,7 +451,7 @@ def region_needs(arrays: Mapping[str, ArrayRecord], name: str, t: TensorRecord, 
     """
     if not want.within(t.shape):
         raise ConfigError(f"region {want} lies outside {name!r} of shape {t.shape}")
-    isz = itemsize(dtype_from_name(t.dtype))
+    isz = itemsize(t.dtype)
     out: list[Need] = []
     for p in t.pieces:
         if p.pack is not None:
@@ -613,10 +611,6 @@ def replicated_whole(t: TensorRecord, index: Index) -> bool:
         c >= s for c, s in zip(a.chunk_shape, a.shape))
 
 
-def _meta(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def dest_items(index: Index, world: int) -> tuple[list[list[SaveItem]], dict[str, str],
                                                   list[Any]]:
     """Virtual save items of every destination rank, the source of every item name, and
@@ -649,34 +643,34 @@ def dest_items(index: Index, world: int) -> tuple[list[list[SaveItem]], dict[str
     for a in sorted(flat):
         rec = index.arrays[a]
         n = rec.shape[0]
-        dt = dtype_from_name(rec.dtype)
-        views = [FlatView(name, t.shape, dtype_from_name(t.dtype), p.flat_start or 0)
+        dt = check_name(rec.dtype)
+        views = [FlatView(name, t.shape, check_name(t.dtype), p.flat_start or 0)
                  for name, t, p in flat[a]]
         sources[a] = a
         flat_chunk = (dim0_chunk_len(n, world),)
         for r in range(world):
             reg = dim0_shard((n,), world, r)
-            items[r].append(SaveItem(a, (n,), dt, _meta(reg.shape, dt), reg, chunk_shape=flat_chunk,
+            items[r].append(SaveItem(a, (n,), dt, Placeholder(reg.shape, dt), reg, chunk_shape=flat_chunk,
                                      logical=False, views=list(views)))
     for name in regular:
         t = index.tensors[name]
-        dt = dtype_from_name(t.dtype)
+        dt = check_name(t.dtype)
         sources[name] = name
         if replicated_whole(t, index):
             for r in range(world):
-                items[r].append(SaveItem(name, t.shape, dt, _meta(t.shape, dt),
+                items[r].append(SaveItem(name, t.shape, dt, Placeholder(t.shape, dt),
                                          Region.full(t.shape), replicated=True))
             continue
         chunk = dim0_chunk_shape(t.shape, world)
         for r in range(world):
             reg = dim0_shard(t.shape, world, r)
-            items[r].append(SaveItem(name, t.shape, dt, _meta(reg.shape, dt), reg,
+            items[r].append(SaveItem(name, t.shape, dt, Placeholder(reg.shape, dt), reg,
                                      chunk_shape=chunk))
     for e in extra_t:
         t = index.tensors[e.source]
-        dt = dtype_from_name(t.dtype)
+        dt = check_name(t.dtype)
         sources[e.dest] = e.source
-        items[e.rank].append(SaveItem(e.dest, t.shape, dt, _meta(t.shape, dt),
+        items[e.rank].append(SaveItem(e.dest, t.shape, dt, Placeholder(t.shape, dt),
                                       Region.full(t.shape)))
     return items, sources, docs
 

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -460,12 +461,16 @@ class Workers:
     @staticmethod
     def detect() -> Workers:
         """torch.distributed's rank/world if initialized; else start a gloo group when run
-        under torchrun (``WORLD_SIZE`` > 1); else a single worker."""
-        import torch.distributed as dist
+        under torchrun (``WORLD_SIZE`` > 1); else a single worker.  A single worker never
+        imports torch (a group can only be initialized if torch is imported already)."""
+        if "torch.distributed" in sys.modules:
+            import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return Workers(dist.get_rank(), dist.get_world_size())
+            if dist.is_available() and dist.is_initialized():
+                return Workers(dist.get_rank(), dist.get_world_size())
         if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            import torch.distributed as dist
+
             dist.init_process_group("gloo")
             return Workers(dist.get_rank(), dist.get_world_size())
         return Workers()

@@ -35,15 +35,14 @@ import zipfile
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
-import torch
 
 from ckptd.errors import ConfigError
 from ckptd.format import paths
 from ckptd.format.commit import read_index, resolve_step
-from ckptd.format.dtypes import dtype_from_name, itemsize
+from ckptd.format.dtypes import check_name, dtype_from_name, itemsize
 from ckptd.format.layout import Region
 from ckptd.format.manifest import Index
 from ckptd.reshard.plan import (
@@ -60,19 +59,20 @@ from ckptd.reshard.run import Executor, Verifier
 from ckptd.storage.base import StorageBackend
 from ckptd.tools.common import human_bytes, open_job, print_json, progress_bar
 
+if TYPE_CHECKING:
+    import torch
+
 FORMATS = ("safetensors", "torch")
 DEFAULT_BLOCK = 64 << 20
 
+# recorded dtype name -> safetensors dtype
 _ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
+    "complex64": "C64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }
-for _n, _s in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-               ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-               ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _n):
-        _ST_DTYPES[getattr(torch, _n)] = _s
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class _Entry:
     logical: str
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str  # the recorded name
     nbytes: int
     blocks: list[_Block]
 
@@ -122,7 +122,7 @@ def _entries(index: Index, optimizer: bool, block_bytes: int, table: UnitTable) 
     out = []
     for logical, name in names:
         t = index.tensors[logical]
-        dt = dtype_from_name(t.dtype)
+        dt = check_name(t.dtype)
         isz = itemsize(dt)
         nbytes = math.prod(t.shape) * isz
         blocks = []
@@ -183,6 +183,8 @@ class _TensorRef:
             acc *= max(d, 1)
         stride_t = tuple(reversed(stride))
         hooks = collections.OrderedDict()  # type: ignore[var-annotated]
+        import torch
+
         if self.storage.dtype in torch.storage._dtype_to_storage_type_map():
             return (torch._utils._rebuild_tensor_v2,
                     (self.storage, 0, self.shape, stride_t, False, hooks))
@@ -193,6 +195,8 @@ class _TensorRef:
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageRef):
+            import torch
+
             name = torch.storage._dtype_to_storage_type_map().get(obj.dtype)
             if name is not None:
                 return ("storage", getattr(torch, name), obj.key, "cpu", obj.numel)
@@ -205,7 +209,8 @@ def _torch_pickle(entries: list[_Entry], param_groups: list[dict] | None) -> byt
     model: dict[str, Any] = {}
     state: dict[str, dict[str, Any]] = {}
     for i, e in enumerate(entries):
-        ref = _TensorRef(_StorageRef(str(i), e.dtype, math.prod(e.shape)), e.shape)
+        ref = _TensorRef(_StorageRef(str(i), dtype_from_name(e.dtype), math.prod(e.shape)),
+                         e.shape)
         if e.logical.startswith("model/"):
             model[e.name] = ref
         else:
@@ -243,7 +248,11 @@ class _TorchZip:
         zi.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
         return self.zf.open(zi, "w", force_zip64=zip64)
 
-    def close(self) -> None:
+    def __enter__(self) -> _TorchZip:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # always finish the zip before its file closes (on an error the file is removed)
         self.zf.close()
 
 
@@ -261,6 +270,14 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
         )
     if block_bytes < 1:
         raise ConfigError(f"block size must be >= 1 byte, got {block_bytes}")
+    if fmt == "torch":
+        try:
+            import torch  # noqa: F401  (the pickle names torch's rebuild functions)
+        except ImportError:
+            raise ConfigError(
+                "--format torch writes a torch.save file and needs torch installed "
+                "(pip install torch); --format safetensors works without torch"
+            ) from None
     out = os.path.abspath(out)
     if os.path.exists(out):
         raise ConfigError(f"output {out} already exists; remove it or choose another --out")
@@ -301,18 +318,17 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
             else:
                 archive = os.path.splitext(os.path.basename(out))[0] or "archive"
                 archive = "".join(c if c.isalnum() or c in "._-" else "_" for c in archive)
-                z = _TorchZip(f, archive)
-                z.small("data.pkl", _torch_pickle(entries, index.param_groups if optimizer
-                                                  else None))
-                z.small(".format_version", b"1")
-                z.small(".storage_alignment", str(_TorchZip.ALIGN).encode())
-                z.small("byteorder", b"little")
-                for i, e in enumerate(entries):
-                    with z.open(f"data/{i}", e.nbytes) as w:
-                        read += _stream(ex, e.blocks, w.write, threads, on_bytes)
-                z.small("version", b"3\n")
-                z.small(".data/serialization_id", str(uuid.uuid4().int)[:40].encode())
-                z.close()
+                with _TorchZip(f, archive) as z:
+                    z.small("data.pkl", _torch_pickle(entries, index.param_groups if optimizer
+                                                      else None))
+                    z.small(".format_version", b"1")
+                    z.small(".storage_alignment", str(_TorchZip.ALIGN).encode())
+                    z.small("byteorder", b"little")
+                    for i, e in enumerate(entries):
+                        with z.open(f"data/{i}", e.nbytes) as w:
+                            read += _stream(ex, e.blocks, w.write, threads, on_bytes)
+                    z.small("version", b"3\n")
+                    z.small(".data/serialization_id", str(uuid.uuid4().int)[:40].encode())
             f.flush()
             os.fsync(f.fileno())
         verifier.finish()
@@ -371,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             rec = resolve_step(storage, job, args.step)
             idx = read_index(storage, rec)
-            est = sum(math.prod(t.shape) * itemsize(dtype_from_name(t.dtype))
+            est = sum(math.prod(t.shape) * itemsize(t.dtype)
                       for n, t in idx.tensors.items()
                       if n.startswith("model/") or (args.optimizer and n.startswith("optim/")))
             with progress_bar(f"export {args.format}", est, enabled=True) as advance:

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from ckptd.format.commit import read_index, resolve_step
-from ckptd.format.dtypes import dtype_from_name, itemsize
+from ckptd.format.dtypes import itemsize
 from ckptd.format.manifest import Index, TensorRecord
 from ckptd.tools.common import human_bytes, open_job, print_json, print_table
 
@@ -23,7 +23,7 @@ EXTRA_PREFIX = "_extra/"
 
 def describe(name: str, t: TensorRecord, index: Index) -> dict[str, Any]:
     numel = math.prod(t.shape)
-    nbytes = numel * itemsize(dtype_from_name(t.dtype))
+    nbytes = numel * itemsize(t.dtype)
     arrays: dict[str, dict[str, Any]] = {}
     packs = 0
     flat: list[dict[str, Any]] = []

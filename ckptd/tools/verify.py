@@ -30,7 +30,7 @@ from ckptd.errors import CheckpointNotFoundError, CkptdError
 from ckptd.format import paths
 from ckptd.format.checksum import crc32c
 from ckptd.format.commit import CommitRecord, present_ranks, read_commit, resolve_step
-from ckptd.format.dtypes import dtype_from_name, itemsize, zarr_data_type
+from ckptd.format.dtypes import itemsize, zarr_data_type
 from ckptd.format.layout import Region, chunks_overlapping, intersect, is_row_range
 from ckptd.format.manifest import Index, Piece, RankManifest, loads
 from ckptd.format.plan import chunk_id, chunk_key
@@ -81,7 +81,7 @@ def _coverage(step: int, name: str, t: Any, index: Index) -> list[Problem]:
     out: list[Problem] = []
     shape = tuple(t.shape)
     numel = math.prod(shape)
-    isz = itemsize(dtype_from_name(t.dtype))
+    isz = itemsize(t.dtype)
     total = 0
     boxes: list[Region] = []
     for p in t.pieces:
@@ -227,7 +227,7 @@ def _check_meta(storage: StorageBackend, step: int, prefix: str, name: str,
     except (KeyError, TypeError) as exc:
         return [Problem(step, "metadata", f"array {name!r}", expected="a zarr v3 array",
                         found=f"missing {exc}", key=key)]
-    want = (tuple(rec.shape), tuple(rec.chunk_shape), zarr_data_type(dtype_from_name(rec.dtype)))
+    want = (tuple(rec.shape), tuple(rec.chunk_shape), zarr_data_type(rec.dtype))
     if (shape, chunks, dt) != want:
         return [Problem(step, "metadata", f"array {name!r}",
                         expected=f"shape {want[0]} chunks {want[1]} {want[2]}",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -208,6 +210,49 @@ def test_export_streams_in_small_blocks(saved_root, tmp_path):
     want = torch.load(os.path.join(saved_root, "fsdp2-w2.expected.pt"), weights_only=True)
     sd = torch.load(out2, weights_only=True)
     assert all(torch.equal(v, want[f"model/{k}"]) for k, v in sd["model"].items())
+
+
+# --------------------------------------------------------------------------- without torch
+
+_NO_TORCH = ("import sys; sys.modules['torch'] = None; from ckptd.cli import main; "
+             "sys.exit(main(sys.argv[1:]))")
+
+
+def _ckptd_without_torch(*argv: str) -> subprocess.CompletedProcess:
+    """Run the ``ckptd`` CLI in a fresh interpreter where ``import torch`` fails."""
+    return subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_tools_and_reshard_run_without_torch(work_root, tmp_path):
+    """ls, inspect, verify, reshard, gc and the safetensors export only move bytes: they run
+    on a machine without torch (and start in a fraction of a second); the results match."""
+    root = work_root
+    for argv in (("ls", f"file://{root}"), ("inspect", f"{root}/fairscale-w4"),
+                 ("verify", f"{root}/fsdp2-w4", "--all")):
+        r = _ckptd_without_torch(*argv, "--json")
+        assert r.returncode == 0, r.stderr
+        json.loads(r.stdout)
+    r = _ckptd_without_torch("reshard", f"{root}/fsdp2-w4", "--to-world-size", "3", "--out",
+                             f"{root}/fsdp2-w3", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["world_size"] == 3
+    r = _ckptd_without_torch("verify", f"{root}/fsdp2-w3", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st_path = str(tmp_path / "w.safetensors")
+    r = _ckptd_without_torch("export", f"{root}/fsdp2-w3", "--format", "safetensors", "--out",
+                             st_path)
+    assert r.returncode == 0, r.stderr
+    want = torch.load(os.path.join(root, "fsdp2-w4.expected.pt"), weights_only=True)
+    got = safetensors.torch.load_file(st_path)
+    assert got and all(torch.equal(v, want[f"model/{k}"]) for k, v in got.items())
+    r = _ckptd_without_torch("gc", f"{root}/fsdp2-w3", "--keep-last", "1", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    # the torch format needs torch: a clear error, not a traceback
+    r = _ckptd_without_torch("export", f"{root}/fsdp2-w3", "--format", "torch", "--out",
+                             str(tmp_path / "w.pt"))
+    assert r.returncode != 0 and "torch" in r.stderr and "Traceback" not in r.stderr
+    assert not os.path.exists(tmp_path / "w.pt")
 
 
 # --------------------------------------------------------------------------- gc
