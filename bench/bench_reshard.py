@@ -241,6 +241,7 @@ def measure_reshard(root: str, job: str, to: int, threads: int, reps: int,
         res["cp_sync"].append(time.perf_counter() - t0)
         shutil.rmtree(dst)
         out_job = f"{job}-to{to}-{tag}-{i}"
+        shutil.rmtree(os.path.join(root, out_job), ignore_errors=True)  # from an earlier run
         evict(src)
         dt, _, stdout = timed([sys.executable, "-c", _RSS_WRAPPER, "reshard",
                                f"file://{root}/{job}", "--to-world-size", str(to), "--out",
@@ -269,7 +270,7 @@ def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-import torch, ckptd.cli, ckptd.reshard.run as rr, ckptd.tools.cli
+import ckptd.cli, ckptd.reshard.run as rr, ckptd.tools.cli  # no torch: the CLI does not need it
 base = hwm()
 plans = []
 orig = rr.plan_reshard
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['baseline_rss'] / 2**20:.0f} MiB, largest object "
               f"{r['max_object'] / 2**20:.0f} MiB); load avg {r['loadavg']}", flush=True)
     results["reshard"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
 
     # -- 3. load at --to ranks
     if "load" not in phases:
