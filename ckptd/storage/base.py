@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Union
 
 from ckptd.errors import ConfigError
 
 Buffer = Union[bytes, bytearray, memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a listing says of one object."""
+
+    size: int
+    mtime: float | None  # last modification, seconds since the epoch; None if unknown
 
 
 def check_key(key: str) -> str:
@@ -60,6 +69,11 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     def list_files(self, prefix: str) -> dict[str, int]:
         """Every object below ``prefix`` (recursively): key -> size in bytes."""
+
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        """Like :meth:`list_files`, with each object's modification time where the backend
+        knows it (``mtime=None`` otherwise, which ``gc`` treats as too young to delete)."""
+        return {k: ObjectInfo(v, None) for k, v in self.list_files(prefix).items()}
 
     @abc.abstractmethod
     def delete(self, keys: Iterable[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import threading
@@ -10,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ckptd.errors import StorageError, StoragePermissionError
-from ckptd.storage.base import Buffer, StorageBackend, check_key
+from ckptd.storage.base import Buffer, ObjectInfo, StorageBackend, check_key
 
 
 def _as_list(data: Buffer | Sequence[Buffer]) -> list[Buffer]:
@@ -91,18 +92,25 @@ class FsspecBackend(StorageBackend):
         return sorted(names)
 
     def list_files(self, prefix: str) -> dict[str, int]:
+        return {k: i.size for k, i in self.list_objects(prefix).items()}
+
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
         path = self._path(prefix.strip("/"))
         try:
             found = self._call(f"listing {prefix}", self.fs.find, path, detail=True)
         except FileNotFoundError:
             return {}
-        out: dict[str, int] = {}
+        out: dict[str, ObjectInfo] = {}
         base = self.root.split("://", 1)[-1].rstrip("/") + "/"
         for full, info in found.items():
             full = full.split("://", 1)[-1]
             if info.get("type") == "directory" or not full.startswith(base):
                 continue
-            out[full[len(base):]] = int(info.get("size") or 0)
+            m = info.get("mtime", info.get("LastModified", info.get("created")))
+            if isinstance(m, datetime.datetime):
+                m = m.timestamp()
+            out[full[len(base):]] = ObjectInfo(
+                int(info.get("size") or 0), float(m) if isinstance(m, (int, float)) else None)
         return out
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -214,17 +222,23 @@ class LocalBackend(FsspecBackend):
             raise self._translate(exc, f"listing {prefix}") from exc
         return sorted(n for n in names if ".tmp-" not in n)
 
-    def list_files(self, prefix: str) -> dict[str, int]:
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
         base = self._path(prefix.strip("/"))
-        out: dict[str, int] = {}
+        out: dict[str, ObjectInfo] = {}
         if os.path.isfile(base):
-            return {prefix.strip("/"): os.path.getsize(base)}
+            st = os.stat(base)
+            return {prefix.strip("/"): ObjectInfo(st.st_size, st.st_mtime)}
         for dirpath, _dirs, files in os.walk(base):
             for f in files:
-                if ".tmp-" in f:
+                if ".tmp-" in f:  # a put in progress (or one that crashed): not an object
                     continue
                 full = os.path.join(dirpath, f)
-                out[os.path.relpath(full, self.root).replace(os.sep, "/")] = os.path.getsize(full)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:  # deleted since the walk saw it
+                    continue
+                out[os.path.relpath(full, self.root).replace(os.sep, "/")] = ObjectInfo(
+                    st.st_size, st.st_mtime)
         return out
 
     def delete(self, keys: Iterable[str]) -> None:

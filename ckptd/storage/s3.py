@@ -50,6 +50,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from ckptd.errors import (
@@ -59,7 +60,7 @@ from ckptd.errors import (
     StoragePermissionError,
     TransientStorageError,
 )
-from ckptd.storage.base import Buffer, check_key
+from ckptd.storage.base import Buffer, ObjectInfo, check_key
 from ckptd.storage.fsspec_backend import FsspecBackend, _as_list
 
 logger = logging.getLogger(__name__)
@@ -845,18 +846,23 @@ class S3Backend(FsspecBackend):
         return sorted(n for n in names if "/" not in n)
 
     def list_files(self, prefix: str) -> dict[str, int]:
+        return {k: i.size for k, i in self.list_objects(prefix).items()}
+
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
         base = self._dir(prefix)
         objects, _ = self._run(self._list, base, False)
-        out = {
-            self._rel(o["Key"]): int(o.get("Size") or 0)
-            for o in objects
-            if not o["Key"].endswith("/")
-        }
+        out = {}
+        for o in objects:
+            if o["Key"].endswith("/"):
+                continue
+            lm = o.get("LastModified")
+            out[self._rel(o["Key"])] = ObjectInfo(
+                int(o.get("Size") or 0), lm.timestamp() if isinstance(lm, datetime) else None)
         p = prefix.strip("/")
         if not out and p:
             size = self._run(self._head, p)  # ``prefix`` may name an object itself
             if size is not None:
-                out[p] = size
+                out[p] = ObjectInfo(size, None)
         return out
 
     # -- delete --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ckptd.errors import StorageError, TransientStorageError
-from ckptd.storage.base import Buffer, StorageBackend
+from ckptd.storage.base import Buffer, ObjectInfo, StorageBackend
 
 ALL_OPS = ("put", "get", "exists", "size", "list_dir", "list_files", "delete", "delete_prefix")
 
@@ -103,6 +103,10 @@ class FaultInjectingBackend(StorageBackend):
     def list_files(self, prefix: str) -> dict[str, int]:
         self._enter("list_files", prefix)
         return self.inner.list_files(prefix)
+
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        self._enter("list_files", prefix)
+        return self.inner.list_objects(prefix)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

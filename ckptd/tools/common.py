@@ -6,13 +6,11 @@ stderr and only when stderr is a terminal and ``--json`` is off.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from ckptd.errors import ConfigError
@@ -69,77 +67,6 @@ def split_job_uri(uri: str) -> tuple[str, str]:
 def open_job(uri: str) -> tuple[StorageBackend, str]:
     root, job = split_job_uri(uri)
     return open_storage(root), job
-
-
-# --------------------------------------------------------------------------- listing with ages
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
-    size: int
-    mtime: float | None  # seconds since the epoch; None if the backend cannot tell
-
-
-def list_objects(storage: StorageBackend, prefix: str) -> dict[str, ObjectInfo]:
-    """Every object below ``prefix`` with its size and modification time.
-
-    The storage interface has no modification times, so this looks at the backend: a local
-    directory is stat'ed, an S3 listing carries ``LastModified``; other backends report
-    ``mtime=None`` (which ``gc`` treats as "too young to delete").
-    """
-    from ckptd.storage.fsspec_backend import FsspecBackend, LocalBackend
-
-    if isinstance(storage, LocalBackend):
-        base = os.path.join(storage.root, prefix.strip("/")) if prefix.strip("/") else storage.root
-        out: dict[str, ObjectInfo] = {}
-        if os.path.isfile(base):
-            st = os.stat(base)
-            return {prefix.strip("/"): ObjectInfo(st.st_size, st.st_mtime)}
-        for dirpath, _dirs, files in os.walk(base):
-            for f in files:
-                if ".tmp-" in f:
-                    continue
-                full = os.path.join(dirpath, f)
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:
-                    continue
-                rel = os.path.relpath(full, storage.root).replace(os.sep, "/")
-                out[rel] = ObjectInfo(st.st_size, st.st_mtime)
-        return out
-    s3_list = getattr(storage, "_list", None)
-    s3_dir = getattr(storage, "_dir", None)
-    s3_rel = getattr(storage, "_rel", None)
-    s3_run = getattr(storage, "_run", None)
-    if s3_list and s3_dir and s3_rel and s3_run:
-        objects, _ = s3_run(s3_list, s3_dir(prefix), False)
-        out = {}
-        for o in objects:
-            if o["Key"].endswith("/"):
-                continue
-            lm = o.get("LastModified")
-            mtime = lm.timestamp() if isinstance(lm, _dt.datetime) else None
-            out[s3_rel(o["Key"])] = ObjectInfo(int(o.get("Size") or 0), mtime)
-        return out
-    if isinstance(storage, FsspecBackend):
-        path = f"{storage.root}/{prefix.strip('/')}".rstrip("/")
-        try:
-            found = storage.fs.find(path, detail=True)
-        except FileNotFoundError:
-            return {}
-        base = storage.root.split("://", 1)[-1].rstrip("/") + "/"
-        out = {}
-        for full, info in found.items():
-            full = full.split("://", 1)[-1]
-            if info.get("type") == "directory" or not full.startswith(base):
-                continue
-            m = info.get("mtime", info.get("LastModified", info.get("created")))
-            if isinstance(m, _dt.datetime):
-                m = m.timestamp()
-            out[full[len(base):]] = ObjectInfo(int(info.get("size") or 0),
-                                               float(m) if isinstance(m, (int, float)) else None)
-        return out
-    return {k: ObjectInfo(v, None) for k, v in storage.list_files(prefix).items()}
 
 
 # --------------------------------------------------------------------------- formatting

@@ -32,7 +32,6 @@ from ckptd.storage.base import StorageBackend
 from ckptd.tools.common import (
     human_age,
     human_bytes,
-    list_objects,
     open_job,
     parse_duration,
     print_json,
@@ -106,7 +105,7 @@ def apply_retention(storage: StorageBackend, job: str, keep_last: int,
 
     def scan(step: int) -> tuple[int, Any, dict[str, Any]]:
         sdir = paths.step_dir(job, step)
-        return step, read_commit(storage, job, step), list_objects(storage, sdir)
+        return step, read_commit(storage, job, step), storage.list_objects(sdir)
 
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(steps)))) as pool:
         scanned = list(pool.map(scan, steps))

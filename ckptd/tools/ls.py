@@ -23,7 +23,6 @@ from ckptd.storage.base import StorageBackend
 from ckptd.tools.common import (
     human_age,
     human_bytes,
-    list_objects,
     print_json,
     print_table,
     split_job_uri,
@@ -46,7 +45,7 @@ def step_rows(storage: StorageBackend, job: str, now: float | None = None) -> li
 
     def one(step: int) -> dict[str, Any]:
         sdir = paths.step_dir(job, step)
-        objs = list_objects(storage, sdir)
+        objs = storage.list_objects(sdir)
         rec = read_commit(storage, job, step)
         attempts: dict[str, int] = {}
         newest: float | None = None

@@ -13,6 +13,7 @@ import http.server
 import itertools
 import os
 import threading
+import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -226,6 +227,19 @@ class StorageConformance:
             backend.put(f"many/sub/{i}", b"1")
         assert backend.list_dir("many") == sorted(names)
         assert len(backend.list_files("many")) == 32
+
+    def test_list_objects_has_sizes_and_modification_times(self, backend: StorageBackend) -> None:
+        assert backend.list_objects("") == {}
+        t0 = time.time()
+        self._fill(backend)
+        t1 = time.time()
+        objs = backend.list_objects("")
+        assert {k: i.size for k, i in objs.items()} == backend.list_files("")
+        assert set(backend.list_objects("a/b")) == {"a/b/c", "a/b/d"}
+        for key, info in objs.items():
+            # local files and S3 objects both know when they were written (S3 in whole
+            # seconds, so allow for the truncation)
+            assert info.mtime is not None and t0 - 2 <= info.mtime <= t1 + 2, (key, info)
 
     def test_list_files(self, backend: StorageBackend) -> None:
         assert backend.list_files("") == {}
