@@ -368,3 +368,42 @@ def test_repeated_saves_reuse_the_state_map_and_see_every_change(tmp_path, monke
         st = fopt.state_dict()["state"]
         assert torch.equal(st[0]["exp_avg"], opt.state[model[0].weight]["exp_avg"])
     c.close()
+
+
+def _train_two_steps(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        model(torch.randn(5, 4, generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+], ids=["adamw", "amsgrad", "adagrad", "sgd"])
+def test_optimizer_saved_before_its_first_step(tmp_path, make_opt):
+    """Saving an optimizer that has no state yet (Adagrad has some from the start) does not
+    change training, and loading that checkpoint leaves a fresh optimizer fresh (only
+    hyperparameters restored): both runs train exactly like one that never saw a
+    checkpoint."""
+    def run(save: bool, load: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = make_opt(model.parameters())
+        if save:
+            CheckpointClient("fresh", storage=_uri(tmp_path)).save(model, optimizer=opt, step=0)
+        if load:
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            opt.param_groups[0]["lr"] = 0.5
+            CheckpointClient("fresh", storage=_uri(tmp_path)).load(model, optimizer=opt)
+            assert opt.param_groups[0]["lr"] == 0.1
+        _train_two_steps(model, opt)
+        return model
+
+    plain = run(save=False, load=False)
+    _equal(run(save=True, load=False), plain)
+    _equal(run(save=False, load=True), plain)

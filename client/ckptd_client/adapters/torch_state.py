@@ -293,7 +293,15 @@ class TorchAdapter(FrameworkAdapter):
         groups: list[dict[str, Any]] = []
         osd: dict[str, Any] = {"state": {}, "param_groups": []}
         if optimizer is not None:
+            fresh = not optimizer.state
             osd = get_optimizer_state_dict(model, optimizer, options=opts)
+            if fresh:
+                # get_optimizer_state_dict creates the state of an optimizer that has none
+                # (a step with lr 0), which would move e.g. Adam's step count: a save before
+                # the first step must not change training, so drop that state again and
+                # save only the param groups.
+                optimizer.state.clear()
+                osd["state"] = {}
             for fqn, state in osd["state"].items():
                 for key, v in state.items():
                     items += _items_for(f"optim/{fqn}/{key}", v)
@@ -368,7 +376,12 @@ class TorchAdapter(FrameworkAdapter):
         optim_names: dict[str, TensorMeta] = {}
         osd: dict[str, Any] | None = None
         scalars: list[tuple[dict, str, torch.Tensor]] = []
-        if optimizer is not None:
+        # An optimizer without state, loaded from a checkpoint without optimizer state (saved
+        # before the first step), stays as it is: materializing its state would make it
+        # differ from a fresh one (e.g. Adam's step count).
+        fresh_optim = optimizer is not None and not optimizer.state and not any(
+            n.startswith("optim/") for n in available)
+        if optimizer is not None and not fresh_optim:
             materialize_optimizer_state(optimizer)
             osd = get_optimizer_state_dict(model, optimizer, options=opts)
             for fqn, state in osd["state"].items():
@@ -387,6 +400,7 @@ class TorchAdapter(FrameworkAdapter):
                 for state, key, holder in scalars:
                     state[key] = holder.item()
                 set_optimizer_state_dict(model, optimizer, osd, options=opts)
+            if optimizer is not None:
                 apply_hyperparameters(optimizer.param_groups, param_groups)
 
         return LoadPlan(targets, model_names, optim_names, finish)
