@@ -119,17 +119,19 @@ def start_daemon(storage_uri: str, socket_path: str, *, staging_bytes: str | int
                  write_concurrency: int = 8, metrics_port: int = 0,
                  extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  log_path: str | None = None, timeout: float = 60.0,
-                 python: str | None = None) -> DaemonProcess:
+                 python: str | None = None, verbose: bool = False) -> DaemonProcess:
     """Start ``ckptd serve`` in a new process group and wait for health SERVING.
 
     ``env`` adds to (not replaces) this process's environment, e.g. test hooks such as
     ``CKPTD_TEST_WRITE_GATE``.  Raises DaemonUnavailableError (with the daemon's log) if it
-    exits or does not become SERVING within ``timeout`` seconds.
+    exits or does not become SERVING within ``timeout`` seconds.  ``verbose``: debug
+    logging (e.g. the per-Save timing lines).
     """
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="ckptd-serve-", suffix=".log")
         os.close(fd)
-    cmd = [python or sys.executable, "-m", "ckptd.cli", "serve", "--storage", storage_uri,
+    cmd = [python or sys.executable, "-m", "ckptd.cli", *(["-v"] if verbose else []),
+           "serve", "--storage", storage_uri,
            "--socket", socket_path, "--staging-bytes", str(staging_bytes),
            "--write-concurrency", str(write_concurrency), "--metrics-port", str(metrics_port),
            *extra_args]

@@ -9,7 +9,9 @@ the rest makes sure the writer cannot fail half-way on a malformed plan.
 
 from __future__ import annotations
 
+import collections
 import functools
+import hashlib
 import json
 import math
 import re
@@ -148,6 +150,45 @@ def plan(plan_json: bytes, buffer_size: int) -> RankPlan:
             else:
                 raise StagingError(f"tensor {name!r}: a piece names neither array nor pack")
     return p
+
+
+class PlanCache:
+    """Plans that passed :func:`plan`, keyed by everything that check depends on: the
+    plan's bytes (sha256) and the segment size it was checked against.
+
+    A training job sends the same plan with every save (its layout does not change), and
+    parsing and checking it costs milliseconds of the Save round trip, which the client's
+    training loop waits for.  A hit returns the plan checked earlier for exactly these
+    bytes and this size; anything else -- another plan, a changed byte, another segment
+    size -- is parsed and checked in full.  Failures are not cached.  The returned
+    :class:`RankPlan` is shared between saves and must be treated as read-only (the write
+    pipeline never changes a plan).  Bounded (LRU, ``capacity`` plans); used from the
+    daemon's event loop only (not thread-safe).
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._plans: collections.OrderedDict[tuple[bytes, int], RankPlan] = (
+            collections.OrderedDict())
+        self.hits = self.misses = 0
+
+    def plan(self, plan_json: bytes, buffer_size: int) -> RankPlan:
+        """:func:`plan` (``plan_json`` checked against ``buffer_size`` bytes), cached."""
+        key = (hashlib.sha256(plan_json).digest(), buffer_size)
+        p = self._plans.get(key)
+        if p is not None:
+            self._plans.move_to_end(key)
+            self.hits += 1
+            return p
+        p = plan(plan_json, buffer_size)   # raises on a bad plan: nothing is cached
+        self.misses += 1
+        self._plans[key] = p
+        while len(self._plans) > self.capacity:
+            self._plans.popitem(last=False)
+        return p
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 def json_doc(data: bytes, what: str, default: Any = None) -> Any:

@@ -87,3 +87,26 @@ def test_identity_and_keys():
     with pytest.raises(StagingError):
         validate.param_groups(b'{"a": 1}')
     assert validate.param_groups(b"") == []
+
+
+def test_plan_cache_reuses_a_check_only_for_the_same_bytes_and_size():
+    doc, n = real_plan()
+    data = json.dumps(doc).encode()
+    cache = validate.PlanCache(capacity=2)
+    p = cache.plan(data, n)
+    assert cache.plan(data, n) is p and (cache.hits, cache.misses) == (1, 1)
+    # the same plan against another segment size is checked again (and may fail there)
+    with pytest.raises(StagingError, match="segment holds"):
+        cache.plan(data, n - 1)
+    assert cache.plan(data, n + 4096).nbytes == n and cache.misses == 2
+    # a changed plan after a good one is checked in full: a tampered write is rejected...
+    doc["writes"][0][1] = 10**12
+    bad = json.dumps(doc).encode()
+    for _ in range(2):  # ...every time: failures are not cached
+        with pytest.raises(StagingError, match="outside"):
+            cache.plan(bad, n)
+    assert cache.misses == 2 and len(cache) == 2
+    # bounded (LRU): the oldest plan is dropped and checked again when it comes back
+    cache.plan(json.dumps(real_plan()[0], indent=1).encode(), n)  # other bytes: a miss
+    assert len(cache) == 2 and cache.misses == 3
+    assert cache.plan(data, n) is not p and cache.misses == 4
