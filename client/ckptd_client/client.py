@@ -189,6 +189,9 @@ class CheckpointClient:
         self._adapter_for: tuple[torch.nn.Module, Any] | None = None
         self._last_plan: tuple[tuple, RankPlan] | None = None
         self._overlap_hooks: list[Any] = []
+        #: seconds spent in each phase of the last ``save_async`` call (copy mode: collect,
+        #: plan, acquire, stage, submit; the transport may add its own sub-phases)
+        self.last_phases: dict[str, float] = {}
 
     # -- saving --------------------------------------------------------------------------
     @property
@@ -257,11 +260,17 @@ class CheckpointClient:
         paths.check_step(step)
         self._counters.next_step = step + 1
         self._counters.saves += 1
+        phases = self.last_phases = {}
+        t0 = time.perf_counter()
         items, groups, doc, framework = self._collect(model, optimizer, extra)
+        t1 = time.perf_counter()
         plan = self._plan(items)
+        t2 = time.perf_counter()
+        phases["collect"], phases["plan"] = t1 - t0, t2 - t1
         ident = SaveIdentity(self.job, step, self._next_attempt(), self.rank, self.world_size,
                              framework)
         lease = self._acquire(plan.nbytes)
+        phases["acquire"] = time.perf_counter() - t2
         if lease is None:
             self._counters.skipped += 1
             log.warning("ckptd: skipped save of step %d: the previous save is still being "
@@ -281,8 +290,16 @@ class CheckpointClient:
                 raise
 
         if not overlap:
+            t3 = time.perf_counter()
             do_stage()
+            t4 = time.perf_counter()
             committed = self._transport.submit(ident, plan, lease, doc, groups)
+            t5 = time.perf_counter()
+            phases["stage"], phases["submit"] = t4 - t3, t5 - t4
+            phases.update(getattr(self._transport, "last_phases", {}))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("save_async step %d (copy mode): %s", step, ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in phases.items()))
             handle = SaveHandle(step, _done_future(), committed)
         else:
             staged: Future = Future()

@@ -17,6 +17,13 @@ import torch
 from ckptd.errors import ConfigError
 
 _MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
+_PLAIN = frozenset((int, float, str, bool, type(None)))
+
+
+def _encode_seq(seq: list | tuple, tensors: list[torch.Tensor], path: str) -> list:
+    if all(type(v) in _PLAIN for v in seq):  # e.g. Python's RNG state: 625 ints, every save
+        return list(seq)
+    return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(seq)]
 
 
 def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
@@ -37,9 +44,9 @@ def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
     if np is not None and isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        return {"__tuple__": _encode_seq(obj, tensors, path)}
     if isinstance(obj, list):
-        return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return _encode_seq(obj, tensors, path)
     if isinstance(obj, dict):
         if all(isinstance(k, str) and k not in _MARKERS for k in obj):
             return {k: encode(v, tensors, f"{path}.{k}") for k, v in obj.items()}

@@ -99,6 +99,34 @@ def test_save_list_load_through_daemon(shared):
     client.close()
 
 
+def test_cached_plans_a_changed_or_tampered_plan_is_checked_again(shared):
+    """The client reuses its encoded plan and the daemon its check of those bytes; a plan
+    that differs from the cached one is checked in full (a bad one after good ones is
+    rejected), and a changed model gets a new plan that the daemon accepts."""
+    client = CheckpointClient("plancache", daemon=shared.address)
+    m = torch.nn.Linear(64, 32)
+    for step in (1, 2):
+        client.save(m, step=step, timeout=60)
+    transport = client._transport
+    good = transport._encoded_plan
+    doc = json.loads(good(client._last_plan[1]))
+    doc["writes"][0][1] = 1 << 40          # a write far outside the segment
+
+    transport._encoded_plan = lambda plan: json.dumps(doc).encode()
+    with pytest.raises(StagingError, match="outside"):
+        client.save(m, step=3, timeout=60)
+    transport._encoded_plan = good
+    assert client.save(m, step=4, timeout=60).step == 4  # the good plan still works
+
+    bigger = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    assert client.save(bigger, step=5, timeout=60).step == 5  # a new plan
+    back = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 8))
+    client.load(back, step=5)
+    _equal(bigger, back)
+    assert client.list_steps() == [1, 2, 4, 5]
+    client.close()
+
+
 def test_overlap_mode_returns_before_staging_and_step_waits(shared, monkeypatch):
     """save_async(overlap=True) returns while the copy is still pending; the next
     optimizer.step() waits for it -- proven by ordering, not timing."""

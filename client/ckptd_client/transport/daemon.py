@@ -31,6 +31,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import select
 import socket
 import threading
@@ -179,6 +180,50 @@ def _unmap(seg: _Segment) -> None:
             pass  # a lease view is still referenced; the GC unmaps it
 
 
+class _ThreadStarter:
+    """Starts (daemon) threads on behalf of the training thread, which only enqueues.
+
+    ``threading.Thread.start()`` waits until the new thread has run, which took 1-20 ms
+    on this project's busy 2-core machine -- time the training loop would stall for in
+    every copy-mode save.  One long-lived starter thread does that waiting instead.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.threads: set[threading.Thread] = set()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def start(self, target: Any, args: tuple, name: str, on_fail: Any) -> None:
+        """Run ``target(*args)`` on a new daemon thread soon; ``on_fail(exc)`` if none can
+        be started."""
+        self._q.put((target, args, name, on_fail))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            target, args, name, on_fail = item
+            t = threading.Thread(target=target, args=args, name=name, daemon=True)
+            with self._lock:
+                self.threads = {w for w in self.threads if w.is_alive()} | {t}
+            try:
+                t.start()
+            except BaseException as exc:  # noqa: BLE001 - e.g. "can't start new thread"
+                with self._lock:
+                    self.threads.discard(t)
+                on_fail(exc)
+
+    def close(self) -> list[threading.Thread]:
+        """Start what is queued, stop the starter; returns the threads it started."""
+        self._q.put(None)
+        self._thread.join()
+        with self._lock:
+            return list(self.threads)
+
+
 class DaemonTransport(Transport):
     def __init__(self, address: str, *, job: str, rank: int, world_size: int,
                  token: str | None = None, commit_timeout: float | None = 1800.0,
@@ -227,7 +272,9 @@ class DaemonTransport(Transport):
         self._stream_buf = StagingBuffer()
         self._stream_free = threading.Semaphore(1)
         self._closed = False
-        self._watchers: set[threading.Thread] = set()
+        self._starter = _ThreadStarter("ckptd-watch-starter")
+        self.last_phases: dict[str, float] = {}
+        self._plan_json: tuple[RankPlan, bytes] | None = None
         with self._lock:
             session = self._ensure_session()
         self.url = session.storage_url
@@ -475,11 +522,12 @@ class DaemonTransport(Transport):
     def submit(self, ident: SaveIdentity, plan: RankPlan, lease: Lease, extra: Any,
                param_groups: list[dict]) -> Future:
         out: Future = Future()
+        t0 = time.perf_counter()
         identity = pb.SaveIdentity(job=ident.job, step=ident.step, attempt=ident.attempt,
                                    rank=ident.rank, world_size=ident.world_size,
                                    framework=ident.framework)
         try:
-            plan_json = json.dumps(plan.to_json(), separators=(",", ":")).encode()
+            plan_json = self._encoded_plan(plan)
             extra_json = json.dumps(extra, separators=(",", ":")).encode()
             groups_json = json.dumps(param_groups or [], separators=(",", ":")).encode()
         except (TypeError, ValueError) as exc:
@@ -492,6 +540,7 @@ class DaemonTransport(Transport):
             req = pb.SaveRequest(session_id=seg.session_id, segment_id=seg.id,
                                  identity=identity, plan_json=plan_json, extra_json=extra_json,
                                  param_groups_json=groups_json, commit_timeout_s=timeout_s)
+            t1 = time.perf_counter()
             try:
                 resp = self._call("Save", req, timeout=CALL_TIMEOUT)
             except (CkptdError, _Busy) as exc:
@@ -501,6 +550,8 @@ class DaemonTransport(Transport):
                 out.set_exception(self._handover_error(ident, exc))
                 return out
             seg.state = "lent"
+            self.last_phases = {"submit.encode": t1 - t0,
+                                "submit.rpc": time.perf_counter() - t1}
         elif isinstance(lease, _StreamLease):
             req = pb.SaveRequest(session_id=lease.session_id, segment_id=lease.reservation,
                                  identity=identity, plan_json=plan_json, extra_json=extra_json,
@@ -516,12 +567,30 @@ class DaemonTransport(Transport):
             lease = Lease(lease.buffer, lambda: None)
         else:
             raise TypeError(f"lease {lease!r} was not acquired from this transport")
-        t = threading.Thread(target=self._watch, args=(resp.save_id, identity, ident, lease, out),
-                             name=f"ckptd-watch-{ident.step}", daemon=True)
-        with self._lock:
-            self._watchers = {w for w in self._watchers if w.is_alive()} | {t}
-        t.start()
+        tw = time.perf_counter()
+
+        def no_watch(exc: BaseException) -> None:
+            if isinstance(lease, _SegmentLease):
+                lease.seg.state = "dead"  # still lent to the daemon: never reuse it
+            lease.release()
+            out.set_exception(DaemonUnavailableError(
+                f"cannot follow step {ident.step} (rank {ident.rank}): no thread to watch it "
+                f"({exc})"))
+
+        self._starter.start(self._watch, (resp.save_id, identity, ident, lease, out),
+                            f"ckptd-watch-{ident.step}", no_watch)
+        self.last_phases["submit.watch"] = time.perf_counter() - tw
         return out
+
+    def _encoded_plan(self, plan: RankPlan) -> bytes:
+        """The plan as JSON; the client reuses an unchanged plan object across saves, so its
+        encoding is reused too (the daemon likewise reuses its check of the same bytes)."""
+        cached = self._plan_json
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        data = json.dumps(plan.to_json(), separators=(",", ":")).encode()
+        self._plan_json = (plan, data)
+        return data
 
     def _handover_error(self, ident: SaveIdentity, exc: BaseException) -> BaseException:
         if isinstance(exc, DaemonUnavailableError):
@@ -609,8 +678,7 @@ class DaemonTransport(Transport):
             if self._closed:
                 return
             self._closed = True
-            watchers = list(self._watchers)
-        for t in watchers:
+        for t in self._starter.close():
             t.join(timeout=5.0)
         with self._lock:
             s, self._session = self._session, None
