@@ -48,6 +48,7 @@ STATE_NAMES = {ACCEPTED: "staged", WRITTEN: "written", COMMITTED: "committed", F
 DEFAULT_COMMIT_TIMEOUT = 1800.0
 MAX_COMMIT_TIMEOUT = 7 * 24 * 3600.0
 KEEP_FINISHED = 4096           # finished save records kept for status queries
+LOCAL_RANKS_WAIT = 2.0         # seconds a save's write waits for the node's other ranks
 
 
 def save_id_of(ident: SaveIdentity) -> str:
@@ -159,6 +160,24 @@ class AttemptTracker:
         self.failure: tuple[str, str] | None = None
         self._poll: asyncio.Task | None = None
         self.touched = time.monotonic()
+        self._arrived = asyncio.Event()
+
+    def add(self, rec: SaveRecord) -> None:
+        self.records.append(rec)
+        ev, self._arrived = self._arrived, asyncio.Event()
+        ev.set()
+
+    async def wait_for_ranks(self, n: int, timeout: float) -> None:
+        """Wait until ``n`` rank saves of this attempt arrived here, at most ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while len({r.ident.rank for r in self.records}) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
 
     @property
     def done(self) -> bool:
@@ -343,22 +362,29 @@ class WritePipeline:
 
     def submit(self, ident: SaveIdentity, plan: RankPlan, buffer: memoryview, *, extra: Any,
                param_groups: list[dict], commit_timeout: float,
-               done: Callable[[], None]) -> SaveRecord:
+               done: Callable[[], None], local_ranks: int = 1) -> SaveRecord:
         """Accept a validated save whose bytes are in ``buffer``; ``done()`` is called (on
-        the loop) once the daemon no longer reads ``buffer``."""
+        the loop) once the daemon no longer reads ``buffer``.
+
+        ``local_ranks``: how many ranks of the job stage on this node.  Writing starts once
+        that many rank saves of the attempt arrived (or after :data:`LOCAL_RANKS_WAIT`
+        seconds), so that checksumming and writing one rank's bytes does not take the
+        node's cores and memory bandwidth from ranks still copying theirs -- the part of a
+        save that stalls training.
+        """
         timeout = DEFAULT_COMMIT_TIMEOUT if commit_timeout <= 0 else min(commit_timeout,
                                                                           MAX_COMMIT_TIMEOUT)
         rec = SaveRecord(save_id_of(ident), ident, plan.nbytes, timeout)
         self.saves[rec.save_id] = rec
         tracker = self._tracker(ident)
-        tracker.records.append(rec)
+        tracker.add(rec)
         self.metrics.bytes_staged.inc(plan.nbytes)
         self.metrics.queue_depth.inc()
         self._log(rec, bytes=plan.nbytes)
         self._active += 1
         self._idle.clear()
         task = asyncio.get_running_loop().create_task(
-            self._run(rec, tracker, plan, buffer, extra, param_groups, done))
+            self._run(rec, tracker, plan, buffer, extra, param_groups, done, local_ranks))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return rec
@@ -372,10 +398,12 @@ class WritePipeline:
 
     async def _run(self, rec: SaveRecord, tracker: AttemptTracker, plan: RankPlan,
                    buffer: memoryview, extra: Any, param_groups: list[dict],
-                   done: Callable[[], None]) -> None:
+                   done: Callable[[], None], local_ranks: int = 1) -> None:
         ident = rec.ident
         error: tuple[str, str] | None = None
         try:
+            if local_ranks > 1:
+                await tracker.wait_for_ranks(local_ranks, LOCAL_RANKS_WAIT)
             async with self._slots:
                 await self._test_hooks()
                 t0 = time.monotonic()
@@ -437,7 +465,7 @@ class WritePipeline:
             return self.saves[sid]
         self.saves[sid] = rec
         tracker = self._tracker(ident)
-        tracker.records.append(rec)
+        tracker.add(rec)
         if committed:
             rec.state = COMMITTED
             tracker.committed = True

@@ -188,7 +188,8 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         except BaseException:
             self.pool.give_back(slot)
             raise
-        resp = self._submit(ident, request, slot, plan, buffer, extra, groups)
+        resp = self._submit(ident, request, slot, plan, buffer, extra, groups,
+                            self.pool.local_ranks(ident.job, ident.world_size))
         if log.isEnabledFor(logging.DEBUG):
             t3 = time.perf_counter()
             log.debug("Save %s: check %.1f ms, parse %.1f ms, submit %.1f ms", resp.save_id,
@@ -203,11 +204,13 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
                 validate.param_groups(request.param_groups_json))
 
     def _submit(self, ident: Any, request: pb.SaveRequest, slot: Any, plan: Any, buffer: Any,
-                extra: Any, groups: Any) -> pb.SaveResponse:
-        """Queue a validated save; the slot goes back to the pool once the rank is durable."""
+                extra: Any, groups: Any, local_ranks: int = 1) -> pb.SaveResponse:
+        """Queue a validated save; the slot goes back to the pool once the rank is durable.
+        ``local_ranks``: ranks of the job staging on this node (see WritePipeline.submit)."""
         rec = self.pipeline.submit(ident, plan, buffer, extra=extra, param_groups=groups,
                                    commit_timeout=request.commit_timeout_s,
-                                   done=lambda: self.pool.give_back(slot))
+                                   done=lambda: self.pool.give_back(slot),
+                                   local_ranks=local_ranks)
         return pb.SaveResponse(save_id=rec.save_id, state=rec.state)  # type: ignore[arg-type]
 
     @_unary

@@ -114,6 +114,13 @@ class StagingPool:
         s.last_seen = time.monotonic()
         return s
 
+    def local_ranks(self, job: str, world_size: int) -> int:
+        """How many ranks of ``job`` (at ``world_size``) stage in shared memory on this node:
+        distinct ranks of its open sessions that hold a segment."""
+        return len({s.rank for s in self.sessions.values()
+                    if s.job == job and s.world_size == world_size and s.local and not s.closed
+                    and any(x.kind == "shm" for x in s.slots.values())})
+
     def attach(self, session_id: str, secret: bytes, peer_pid: int | None) -> Session:
         s = self.sessions.get(session_id)
         if s is None or s.closed or not hmac.compare_digest(s.secret, secret):
