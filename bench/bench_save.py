@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="daemon staging budget (default: 2 segments per rank, rounded)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--phases", action="store_true",
+                   help="also print where ckptd-copy's stall goes (client phases per rank, "
+                        "the daemon's Save handler from its debug log)")
     return p.parse_args(argv)
 
 
@@ -167,6 +170,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
             elif variant == "ckptd-copy":
                 h = client.save_async(model, optimizer=opt, step=step)
                 stall = time.perf_counter() - t0
+                if i >= args.warmup:
+                    ph = dict(client.last_phases)
+                    ph["other"] = stall - sum(v for k, v in ph.items() if "." not in k)
+                    res.setdefault("phases", []).append(ph)
                 h.result(600)
                 commit = time.perf_counter() - t0
             elif variant == "ckptd-overlap":
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     staging = args.staging_bytes or str(2 * args.world * segment_size(per_rank_est + (8 << 20)))
     daemon = start_daemon(f"file://{root}/store", os.path.join(run_dir, "s", "ckptd.sock"),
                           staging_bytes=staging, write_concurrency=8,
-                          log_path=os.path.join(root, "daemon.log"))
+                          log_path=os.path.join(root, "daemon.log"), verbose=args.phases)
     out_dir = tempfile.mkdtemp(prefix="ckptd-bench-out-")
     try:
         baseline_rss = _vm(daemon.pid, "VmRSS")
@@ -252,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         peak_rss = _vm(daemon.pid, "VmHWM")
     finally:
         daemon.stop()
+    daemon_log = daemon.log()
     ranks = []
     for r in range(args.world):
         with open(os.path.join(out_dir, f"rank{r}.json")) as f:
@@ -297,6 +305,22 @@ def main(argv: list[str] | None = None) -> int:
     if "ckptd-overlap" in variants:
         print("(ckptd-overlap: commit includes the forward/backward that ran meanwhile, "
               f"{table['ckptd-overlap']['fwd_bwd']:.3f} s)")
+    if args.phases and "ckptd-copy" in variants:
+        print("\nckptd-copy stall by phase, ms (mean over reps; per rank; submit.* are parts "
+              "of submit):")
+        for r, rk in enumerate(ranks):
+            reps = rk["results"]["ckptd-copy"].get("phases", [])
+            keys = list(reps[0]) if reps else []
+            print(f"  rank {r}: " + ", ".join(
+                f"{k} {statistics.mean(p.get(k, 0.0) for p in reps) * 1e3:.1f}"
+                for k in keys))
+        handler = [tuple(float(x) for x in m) for m in re.findall(
+            r"Save \S+: check ([\d.]+) ms, parse ([\d.]+) ms, submit ([\d.]+) ms", daemon_log)]
+        if handler:
+            print("  daemon Save handler: " + ", ".join(
+                f"{k} {statistics.median(h[j] for h in handler):.1f}"
+                for j, k in enumerate(("check", "parse", "submit"))) +
+                  f" (median of all {len(handler)} Saves)")
     summary: dict[str, Any] = {"table": table, "dd_gbps": dd_rate / 1e9,
                                "dd_idle_gbps": [x / 1e9 for x in dd_idle], "total_bytes": total,
                                "per_rank_bytes": ranks[0]["nbytes"],
