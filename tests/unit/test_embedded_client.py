@@ -407,3 +407,37 @@ def test_optimizer_saved_before_its_first_step(tmp_path, make_opt):
     plain = run(save=False, load=False)
     _equal(run(save=True, load=False), plain)
     _equal(run(save=False, load=True), plain)
+
+
+class _PartlyTrained(torch.nn.Module):
+    """A layer forward never uses and a frozen layer: neither has optimizer state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 3)
+        self.unused = torch.nn.Linear(4, 3)
+        self.frozen = torch.nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.used(x))
+
+
+def test_parameters_without_optimizer_state_load_strictly(tmp_path):
+    """Parameters that had no optimizer state when saved (no gradient yet) get none when
+    loaded into a fresh optimizer, so a strict load works and training goes on exactly as
+    in the saving run."""
+    torch.manual_seed(0)
+    model = _PartlyTrained()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # the frozen layer too
+    _train_two_steps(model, opt)
+    c = CheckpointClient("partly", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=2)
+    fresh = _PartlyTrained()
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    c.load(fresh, optimizer=fopt)
+    assert sorted(fopt.state_dict()["state"]) == sorted(opt.state_dict()["state"]) == [0, 1]
+    _train_two_steps(model, opt)
+    _train_two_steps(fresh, fopt)
+    _equal(fresh, model)
+    c.close()

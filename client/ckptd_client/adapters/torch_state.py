@@ -382,8 +382,16 @@ class TorchAdapter(FrameworkAdapter):
         fresh_optim = optimizer is not None and not optimizer.state and not any(
             n.startswith("optim/") for n in available)
         if optimizer is not None and not fresh_optim:
+            created = not optimizer.state
             materialize_optimizer_state(optimizer)
             osd = get_optimizer_state_dict(model, optimizer, options=opts)
+            if created:
+                # Parameters that had no state when the checkpoint was saved (no gradient
+                # yet: unused or frozen layers) get none now either, instead of the state
+                # materializing just created for them.
+                saved = {n[len("optim/"):].rpartition("/")[0]
+                         for n in available if n.startswith("optim/")}
+                osd["state"] = {k: v for k, v in osd["state"].items() if k in saved}
             for fqn, state in osd["state"].items():
                 for key, v in state.items():
                     name = f"optim/{fqn}/{key}"
