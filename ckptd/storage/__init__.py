@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from ckptd.errors import ConfigError
@@ -12,7 +14,8 @@ __all__ = ["StorageBackend", "FsspecBackend", "LocalBackend", "open_storage", "c
 
 
 def open_storage(uri: str, **options: Any) -> StorageBackend:
-    """A backend for ``uri``: ``file:///abs/path``, a plain path, or ``s3://bucket/prefix``.
+    """A backend for ``uri``: ``file:///abs/path`` (or ``file:/abs/path``), a plain path
+    (``~`` expands to the home directory), or ``s3://bucket/prefix``.
 
     ``options`` go to the backend (for S3: ``endpoint_url``, ``key``, ``secret``, ...).
     """
@@ -40,4 +43,13 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
             f"storage URI scheme {scheme!r} is not supported: expected 'file://' or 's3://' in "
             f"{uri!r}"
         )
-    return LocalBackend(uri)
+    if uri.startswith("file:/"):  # RFC 8089's short form of an absolute file URI
+        return LocalBackend(uri[len("file:"):])
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", uri)
+    if scheme:  # e.g. 's3:/bucket': a mistyped URI must not become a local directory
+        raise ConfigError(
+            f"storage {uri!r} looks like a URI with scheme {scheme.group(1)!r} but lacks '//'; "
+            "expected 'file:///absolute/path' or 's3://bucket/prefix'. For a local directory "
+            "whose name contains ':', write it as './name' or as an absolute path."
+        )
+    return LocalBackend(os.path.expanduser(uri))

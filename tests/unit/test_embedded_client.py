@@ -251,10 +251,26 @@ def test_strict_false_loads_what_matches(tmp_path):
     ("ftp://host/x", "scheme 'ftp' is not supported"),
     ("file://relative/path", "is not absolute"),
     ("", "non-empty string"),
+    ("s3:/bucket/prefix", "scheme 's3' but lacks '//'"),
+    ("file:relative", "scheme 'file' but lacks '//'"),
 ])
 def test_bad_storage_uri(uri, match):
     with pytest.raises(ConfigError, match=match):
         CheckpointClient("j", storage=uri)
+
+
+@pytest.mark.parametrize("uri", ["~/ckpt", "file:{tmp}/home/ckpt"])
+def test_home_and_short_file_uri_name_the_intended_directory(tmp_path, monkeypatch, uri):
+    """'~' is the home directory and 'file:/abs' an absolute path, not directories named
+    '~' or 'file:' under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    c = CheckpointClient("j", storage=uri.format(tmp=tmp_path))
+    c.save(torch.nn.Linear(2, 2), step=1)
+    assert c.list_steps() == [1]
+    assert sorted(os.listdir(tmp_path)) == ["home"]
+    assert os.path.isdir(tmp_path / "home" / "ckpt" / "j")
+    c.close()
 
 
 @pytest.mark.parametrize("job", ["../etc", "a/b", "", ".hidden", "x" * 200])
