@@ -12,6 +12,7 @@ A step without ``COMMITTED`` does not exist for readers.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from ckptd.format.manifest import (
 )
 from ckptd.format.zarr_meta import group_doc, parent_groups
 from ckptd.storage.base import StorageBackend
+
+log = logging.getLogger("ckptd.format")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +161,19 @@ def list_jobs(storage: StorageBackend) -> list[str]:
 
 
 def list_steps(storage: StorageBackend, job: str) -> list[StepInfo]:
-    """Every step directory of ``job``, committed or not, oldest first."""
+    """Every step directory of ``job``, committed or not, oldest first.  A step whose
+    ``COMMITTED`` marker is damaged is listed as not committed (with a warning)."""
     paths.check_job(job)
     steps = [s for s in (paths.parse_step_dir(n) for n in storage.list_dir(job)) if s is not None]
 
     def info(step: int) -> StepInfo:
         names = storage.list_dir(paths.step_dir(job, step))
-        rec = read_commit(storage, job, step) if "COMMITTED" in names else None
+        rec = None
+        if "COMMITTED" in names:
+            try:
+                rec = read_commit(storage, job, step)
+            except CorruptCheckpointError as exc:  # one damaged marker must not hide the rest
+                log.warning("ckptd: step %d of job %s is not loadable: %s", step, job, exc)
         attempts = tuple(n for n in names if n != "COMMITTED")
         return StepInfo(step, rec is not None, rec.attempt if rec else None,
                         rec.world_size if rec else None, attempts)

@@ -457,3 +457,21 @@ def test_parameters_without_optimizer_state_load_strictly(tmp_path):
     _train_two_steps(fresh, fopt)
     _equal(fresh, model)
     c.close()
+
+
+def test_a_damaged_commit_marker_hides_only_its_step(tmp_path):
+    """list_steps and the 'not committed' error still work when one step's COMMITTED is
+    damaged; loading that step names the damage."""
+    model = torch.nn.Linear(2, 2)
+    c = CheckpointClient("marker", storage=_uri(tmp_path))
+    for step in (1, 2):
+        c.save(model, step=step)
+    with open(tmp_path / paths.committed_key("marker", 2), "w") as f:
+        f.write("{")
+    assert c.list_steps() == [1]
+    with pytest.raises(CheckpointNotFoundError, match=r"committed steps: \[1\]"):
+        c.load(model, step=3)
+    with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
+        c.load(model, step=2)
+    assert c.load(model, step=1).step == 1
+    c.close()
