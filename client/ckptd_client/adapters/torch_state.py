@@ -99,10 +99,17 @@ def _layout(shape: Shape, mesh: Any, placements: tuple) -> tuple[Region, Shape |
     return region, chunk, writer
 
 
+def _local_of(v: Any) -> torch.Tensor:
+    """A DTensor's local shard, without grad.  ``_local_tensor`` skips the autograd function
+    and dispatch of ``to_local()`` (~10 us per tensor, on the save's critical path)."""
+    local = getattr(v, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else v.to_local()).detach()
+
+
 def _items_for(name: str, v: Any) -> list[SaveItem]:
     if _is_dtensor(v):
         region, chunk, writer = _dtensor_layout(v)
-        local = v.to_local()
+        local = _local_of(v)
         return [SaveItem(name, tuple(v.shape), v.dtype, local, region, writer=writer,
                          chunk_shape=chunk)]
     if _is_sharded_tensor(v):
@@ -345,7 +352,7 @@ class TorchAdapter(FrameworkAdapter):
             t = getattr(owner, attr, None)
             if t is None:
                 return None
-            items += _items_for(name, t.detach())
+            items += _items_for(name, t if _is_dtensor(t) else t.detach())
         groups: list[dict[str, Any]] = []
         if optimizer is not None:
             for fqn, p in cache.optim_refs:
