@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 from ckptd.errors import ConfigError
@@ -36,11 +37,19 @@ def check_attempt(attempt: object) -> str:
 
 
 def check_step(step: object) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**STEP_DIGITS:
+    """``step`` as an int (integer-like values such as ``numpy.int64`` or a 0-dim integer
+    tensor are accepted); ConfigError unless it is in ``[0, 10**12)``."""
+    value: int | None = None
+    if not isinstance(step, bool):
+        try:
+            value = operator.index(step)  # type: ignore[arg-type]
+        except TypeError:
+            value = None
+    if value is None or not 0 <= value < 10**STEP_DIGITS:
         raise ConfigError(
             f"step {step!r} is invalid: expected an int in [0, {10**STEP_DIGITS})"
         )
-    return step
+    return value
 
 
 def step_dir(job: str, step: int) -> str:

@@ -257,7 +257,7 @@ class CheckpointClient:
         """
         if step is None:
             step = self._counters.next_step
-        paths.check_step(step)
+        step = paths.check_step(step)
         self._counters.next_step = step + 1
         self._counters.saves += 1
         phases = self.last_phases = {}
@@ -431,8 +431,12 @@ class CheckpointClient:
                 shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)"
                                                  if len(names) > 20 else "")
                 lines.append(f"{len(names)} {what}: {shown}")
-            hint = ("" if not strict or bad_shape else
-                    " Pass strict=False to load the matching tensors and keep the rest.")
+            if bad_shape:
+                hint = (" The model's architecture differs from the saved one (e.g. hidden size "
+                        "or vocabulary); build it with the configuration the checkpoint was "
+                        "saved with. Shapes must match even with strict=False.")
+            else:
+                hint = " Pass strict=False to load the matching tensors and keep the rest."
             raise StateMismatchError(
                 f"model/optimizer do not match step {rec.step} of job {self.job!r} "
                 f"(saved by {index.framework} at world size {index.world_size}): "

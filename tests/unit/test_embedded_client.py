@@ -225,9 +225,27 @@ def test_model_mismatch_lists_every_problem_together(tmp_path):
     assert "unexpected in the checkpoint: model/f8, model/i32, model/mask, model/scalar, " \
            "model/w16" in msg
     assert "dtype mismatches: model/wbf16: checkpoint torch.bfloat16, model torch.float32" in msg
+    assert "architecture differs" in msg and "strict=False" in msg  # what to do
     # shapes can never be loaded, even with strict=False
-    with pytest.raises(StateMismatchError, match="shape mismatches"):
+    with pytest.raises(StateMismatchError, match="shape mismatches.*build it with the "
+                       "configuration the checkpoint was saved with"):
         c.load(Other(), strict=False)
+    c.close()
+
+
+def test_module_without_state_and_integer_like_steps(tmp_path):
+    """A module with no (persistent) state saves outside a process group (only extra state,
+    say); numpy and 0-dim tensor integers are steps; floats and bools are not."""
+    c = CheckpointClient("nostate", storage=_uri(tmp_path))
+    c.save(torch.nn.Module(), step=np.int64(4), extra={"epoch": 2})
+    only_np = torch.nn.Module()
+    only_np.register_buffer("cache", torch.ones(3), persistent=False)
+    c.save(only_np, step=torch.tensor(5))
+    assert c.list_steps() == [4, 5]
+    assert c.load(torch.nn.Module(), step=4).extra == {"epoch": 2}
+    for bad in (5.0, True, "6"):
+        with pytest.raises(ConfigError, match="expected an int"):
+            c.save_async(torch.nn.Module(), step=bad)
     c.close()
 
 

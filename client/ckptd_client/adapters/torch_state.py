@@ -246,6 +246,18 @@ def _storage_ptr(t: Any) -> int:
     return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else -1
 
 
+def _model_state_dict(model: torch.nn.Module, opts: Any) -> dict[str, Any]:
+    """``get_model_state_dict``; {} for a module without any state (which torch's function
+    refuses outside a process group)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if next(model.parameters(), None) is None and not any(
+            b is not None and name not in mod._non_persistent_buffers_set
+            for mod in model.modules() for name, b in mod._buffers.items()):
+        return {}
+    return get_model_state_dict(model, options=opts)
+
+
 @dataclass
 class _SaveCache:
     """Where each state entry lives, found once by ``get_*_state_dict`` and reused.
@@ -282,7 +294,6 @@ class TorchAdapter(FrameworkAdapter):
                    optimizer: torch.optim.Optimizer | None) -> SaveState:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_model_state_dict,
             get_optimizer_state_dict,
         )
 
@@ -294,7 +305,7 @@ class TorchAdapter(FrameworkAdapter):
         self.framework = framework_of(model)
         opts = StateDictOptions(full_state_dict=False)
         items: list[SaveItem] = []
-        msd = get_model_state_dict(model, options=opts)
+        msd = _model_state_dict(model, opts)
         for fqn, v in msd.items():
             items += _items_for(f"model/{fqn}", v)
         groups: list[dict[str, Any]] = []
@@ -368,7 +379,6 @@ class TorchAdapter(FrameworkAdapter):
                   available: Mapping[str, TensorMeta]) -> LoadPlan:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
-            get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
@@ -376,7 +386,7 @@ class TorchAdapter(FrameworkAdapter):
 
         self.framework = framework_of(model)
         opts = StateDictOptions(full_state_dict=False, strict=False)
-        msd = get_model_state_dict(model, options=opts)
+        msd = _model_state_dict(model, opts)
         targets: list[LoadTarget] = []
         model_names = {f"model/{k}": _targets_for(f"model/{k}", v, targets)
                        for k, v in msd.items()}
