@@ -39,7 +39,7 @@ from ckptd.format import paths
 from ckptd.format.commit import present_ranks, read_commit, try_commit
 from ckptd.format.plan import RankPlan
 from ckptd.format.writer import SaveIdentity, write_rank
-from ckptd.storage.base import Buffer, StorageBackend
+from ckptd.storage.base import Buffer, ObjectInfo, StorageBackend
 
 log = logging.getLogger("ckptd.daemon")
 
@@ -125,6 +125,9 @@ class _GuardedStorage(StorageBackend):
 
     def list_files(self, prefix: str) -> dict[str, int]:
         return self.inner.list_files(prefix)
+
+    def list_objects(self, prefix: str) -> dict[str, ObjectInfo]:
+        return self.inner.list_objects(prefix)
 
     def delete(self, keys: Iterable[str]) -> None:
         self._check()
