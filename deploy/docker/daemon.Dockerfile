@@ -13,8 +13,9 @@
 # ---- build stage: a self-contained virtual environment in /opt/ckptd -------------------------------
 FROM python:3.11-slim-trixie AS build
 
-# The daemon needs torch only on the CPU. The default torch wheel pulls several GB of CUDA libraries,
-# so torch comes from PyTorch's CPU-only index, pinned; everything else comes from the default index.
+# The daemon never imports torch, but the ckptd package depends on it (for the client). The default
+# torch wheel pulls several GB of CUDA libraries, so torch comes from PyTorch's CPU-only index,
+# pinned; everything else comes from the default index.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
