@@ -10,7 +10,6 @@ the rest makes sure the writer cannot fail half-way on a malformed plan.
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import json
 import math
@@ -61,15 +60,10 @@ def _array_name(name: object, what: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=64)
-def _known_dtype(name: str) -> tuple[str, int]:
-    return check_name(name), itemsize(name)
-
-
-def _dtype(name: str, what: str) -> Any:
+def _dtype(name: str, what: str) -> str:
     try:
-        return _known_dtype(name)[0]
-    except (CkptdError, TypeError):
+        return check_name(name)
+    except (CkptdError, TypeError):  # TypeError: not even hashable (a list from JSON)
         raise StagingError(f"{what}: unknown dtype {name!r}") from None
 
 
@@ -104,7 +98,7 @@ def plan(plan_json: bytes, buffer_size: int) -> RankPlan:
         _dtype(a.dtype, what)
         _shape(a.shape, what)
         _shape(a.chunk_shape, what, positive=True)
-        chunk_bytes = math.prod(a.chunk_shape) * _known_dtype(a.dtype)[1]
+        chunk_bytes = math.prod(a.chunk_shape) * itemsize(a.dtype)
         for cid, c in a.chunks.items():
             if name not in p.packs and c.nbytes != chunk_bytes:
                 raise StagingError(f"{what} chunk {cid}: {c.nbytes} bytes, but its chunk shape "

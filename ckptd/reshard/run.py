@@ -190,9 +190,13 @@ def _pread_into(path: str, buf: memoryview, offset: int) -> int:
         os.close(fd)
 
 
-def _load_sync_file_range() -> Callable[[int], None] | None:
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_sync_file_range() -> Callable[[int], object] | None:
     """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` (Linux): start writing a file's
-    dirty pages now without waiting, so the final fsyncs find little left to do."""
+    dirty pages now without waiting, so the final fsyncs find little left to do.  Only a
+    hint: its result is ignored (the fsyncs decide durability)."""
     try:
         import ctypes
 
@@ -201,7 +205,7 @@ def _load_sync_file_range() -> Callable[[int], None] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return lambda fd: None if fn(fd, 0, 0, 2) == 0 else None  # a hint: failure is harmless
+    return lambda fd: fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 _start_writeback = _load_sync_file_range()

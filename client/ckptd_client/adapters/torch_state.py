@@ -363,7 +363,7 @@ class TorchAdapter(FrameworkAdapter):
             t = getattr(owner, attr, None)
             if t is None:
                 return None
-            items += _items_for(name, t if _is_dtensor(t) else t.detach())
+            items += _items_for(name, t)  # it detaches (DTensor: the local shard)
         groups: list[dict[str, Any]] = []
         if optimizer is not None:
             for fqn, p in cache.optim_refs:
