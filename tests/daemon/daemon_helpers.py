@@ -21,6 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "integration"))
 
 import test_torch_fsdp as fsdp
+from test_torch_fsdp import assert_equal_state
 
 from ckptd.daemon.testing import DaemonProcess, start_daemon
 from ckptd.v1 import ckptd_pb2 as pb
@@ -105,16 +106,6 @@ def raw_session(socket_path: str, job: str = "raw", rank: int = 0,
 
 def error_class(err: grpc.RpcError) -> str:
     return dict(err.trailing_metadata() or ()).get("ckptd-error-class", "")
-
-
-def assert_equal_state(got: dict, want: dict, what: str = "") -> None:
-    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-    for k, b in want.items():
-        a = got[k]
-        if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{what} {k} differs"
-        else:
-            assert a == b, (k, a, b)
 
 
 # -- rank functions (run by tests.distributed.run_world) -----------------------------------

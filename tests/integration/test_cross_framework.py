@@ -17,6 +17,7 @@ import torch.distributed as dist
 from distributed import run_world
 from test_fairscale_roundtrip import full_state as fairscale_full_state
 from test_fairscale_roundtrip import optimizer, save_job, train, unwrapped, wrap
+from test_torch_fsdp import assert_equal_state
 from test_torch_fsdp import full_state as torch_full_state
 
 from ckptd_client import CheckpointClient
@@ -34,20 +35,13 @@ def _fsdp2(model: torch.nn.Module, world: int) -> torch.nn.Module:
     return model
 
 
-def _compare(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
-    assert sorted(got) == sorted(want), (what, sorted(set(got) ^ set(want)))
-    for k, w in want.items():
-        g = got[k]
-        assert g.dtype == w.dtype and torch.equal(g, w), f"{what}: {k} differs"
-
-
 def fsdp2_job(rank: int, world: int, root: str) -> None:
     want = torch.load(os.path.join(root, f"{JOB}.expected.pt"), weights_only=True)
     model = _fsdp2(unwrapped(seed=11), world)
     opt = optimizer(model.parameters(), lr=0.5)
     info = CheckpointClient(JOB, storage=f"file://{root}").load(model, optimizer=opt)
     assert info.framework == "fairscale" and info.world_size == 2
-    _compare(torch_full_state(model, opt), want, "fairscale -> fsdp2")
+    assert_equal_state(torch_full_state(model, opt), want, "fairscale -> fsdp2")
     assert opt.param_groups[0]["lr"] == 1e-2  # hyperparameters restored too
     train(model, opt, 1)
     expected = torch_full_state(model, opt)
@@ -64,7 +58,7 @@ def fairscale_job(rank: int, world: int, root: str) -> None:
     opt = optimizer(model.parameters(), lr=0.5)
     info = CheckpointClient("from-fsdp2", storage=f"file://{root}").load(model, optimizer=opt)
     assert info.framework == "fsdp2" and info.world_size == 3
-    _compare(fairscale_full_state(model, opt), want, "fsdp2 -> fairscale")
+    assert_equal_state(fairscale_full_state(model, opt), want, "fsdp2 -> fairscale")
     dist.barrier()
 
 

@@ -99,6 +99,17 @@ def save_job(rank: int, world: int, framework: str, root: str, job: str, dtype_n
     client.close()
 
 
+def assert_equal_state(got: dict, want: dict, what: str = "") -> None:
+    """Same keys; tensors of the same dtype and bit-identical, other values equal."""
+    assert sorted(got) == sorted(want), (what, sorted(set(got) ^ set(want)))
+    for k, b in want.items():
+        a = got[k]
+        if isinstance(b, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: {k} differs"
+        else:
+            assert a == b, (what, k, a, b)
+
+
 def load_job(rank: int, world: int, framework: str, root: str, jobs: list[str],
              dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
@@ -107,15 +118,8 @@ def load_job(rank: int, world: int, framework: str, root: str, jobs: list[str],
         client = CheckpointClient(job, storage=f"file://{root}")
         info = client.load(model, optimizer=opt)
         assert info.step == 3
-        got = full_state(model, opt)
         want = torch.load(os.path.join(root, f"{job}.expected.pt"), weights_only=True)
-        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-        for k in want:
-            a, b = got[k], want[k]
-            if isinstance(b, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), f"{job} {k} differs at rank {rank}"
-            else:
-                assert a == b, (k, a, b)
+        assert_equal_state(full_state(model, opt), want, f"{job} at rank {rank}")
         # training goes on after a load (optimizer state is usable)
         train(model, opt, 1, rank)
         client.close()

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ckptd_client import CheckpointClient
-from integration.test_torch_fsdp import build, full_state, save_job
+from integration.test_torch_fsdp import assert_equal_state, build, full_state, save_job
 from torch import nn
-from fairscale_helpers import unpadded_lengths
+from fairscale_helpers import simulate_step, unpadded_lengths
 
 TORCH_FRAMEWORKS = ("fsdp2", "fsdp1")
 CPU = torch.device("cpu")
@@ -67,22 +67,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 def fairscale_train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.full_like(p, 0.5)
-    opt.step()
-    with torch.no_grad():
-        for p, b in zip(params, before):
-            p.copy_(b)
-            _transform_(p.data)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state[p]
-            for k, v in _state(p.detach()).items():
-                st[k].copy_(v)
-            st["step"] = torch.tensor(7.0)
-            p.grad = None
+    simulate_step(model, opt, _transform_, _state, {"step": torch.tensor(7.0)})
 
 
 def fairscale_expected(seed: int) -> dict[str, torch.Tensor]:
@@ -169,14 +154,7 @@ def torch_load(rank: int, world: int, framework: str, root: str, jobs: list[str]
             _check_local_dtensors(model, opt, want, job, rank)
             client.close()
             continue
-        got = full_state(model, opt)
-        assert sorted(got) == sorted(want)
-        for k, b in want.items():
-            a = got[k]
-            if isinstance(b, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), f"{job} {k} differs at rank {rank}"
-            else:
-                assert a == b, (k, a, b)
+        assert_equal_state(full_state(model, opt), want, f"{job} at rank {rank}")
         client.close()
     dist.barrier()
 

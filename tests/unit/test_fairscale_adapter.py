@@ -35,7 +35,7 @@ from torch import nn
 from ckptd.format.items import SaveItem
 from ckptd_client.adapters.base import TensorMeta
 from ckptd_client.adapters.fairscale_fsdp import FairscaleAdapter
-from fairscale_helpers import unpadded_lengths
+from fairscale_helpers import simulate_step, unpadded_lengths
 
 pytestmark = pytest.mark.slow
 
@@ -156,23 +156,8 @@ def _optimizer(params: Any, case: Case, lr: float) -> torch.optim.Optimizer:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, case: Case) -> None:
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.full_like(p, 0.5)
-    opt.step()  # a real optimizer step on CPU creates the state entries
-    with torch.no_grad():
-        for p, b in zip(params, before):
-            p.copy_(b)
-            _transform_(p.data)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state[p]
-            for k, v in _state_values(p.detach(), case).items():
-                st[k].copy_(v)
-            for k, v in _scalar_state(case).items():
-                st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            p.grad = None
+    simulate_step(model, opt, _transform_, lambda p: _state_values(p, case),
+                  _scalar_state(case))
 
 
 def _expected(case: Case, seed: int) -> tuple[dict[str, torch.Tensor], list[str]]:
