@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from ckptd.daemon.priority import DEFAULT_IO_NICE, MAX_NICE
 from ckptd.errors import ConfigError
 
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
@@ -55,6 +56,7 @@ class DaemonConfig:
     staging_bytes: int = 8 << 30
     shm_dir: str | None = None
     write_concurrency: int = 8
+    io_nice: int = DEFAULT_IO_NICE
     metrics_port: int = 9400
     keep_last: int | None = None
     keep_every: int | None = None
@@ -95,6 +97,9 @@ class DaemonConfig:
         if not 1 <= self.write_concurrency <= 1024:
             raise ConfigError(
                 f"--write-concurrency must be in [1, 1024], got {self.write_concurrency}")
+        if not 0 <= self.io_nice <= MAX_NICE:
+            raise ConfigError(f"--io-nice must be in [0, {MAX_NICE}] (nice levels below the "
+                              f"daemon's own priority), got {self.io_nice}")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         for name in ("keep_last", "keep_every"):
@@ -130,6 +135,9 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "shm_dir": (str, ("accepted for compatibility; staging segments are memfd-backed and do "
                       "not live in a directory (see docs/DAEMON.md)")),
     "write_concurrency": (int, "concurrent object writes (default 8)"),
+    "io_nice": (int, (f"nice levels the threads that checksum and write saves run below the "
+                      f"daemon, so they yield the cores to training (0-{MAX_NICE}, default "
+                      f"{DEFAULT_IO_NICE}; 0 = same priority)")),
     "metrics_port": (int, "Prometheus /metrics port (default 9400; 0 = off)"),
     "keep_last": (int, "retention after each commit: keep the last K checkpoints"),
     "keep_every": (int, "retention after each commit: also keep every M-th step"),

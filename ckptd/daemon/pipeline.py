@@ -34,6 +34,7 @@ from typing import Any
 
 from ckptd.daemon import logs
 from ckptd.daemon.metrics import Metrics
+from ckptd.daemon.priority import DEFAULT_IO_NICE, background_nice, set_this_thread
 from ckptd.errors import CkptdError, DaemonUnavailableError, SaveFailedError
 from ckptd.format import paths
 from ckptd.format.commit import present_ranks, read_commit, try_commit
@@ -268,16 +269,20 @@ class AttemptTracker:
 
 class WritePipeline:
     def __init__(self, storage: StorageBackend, metrics: Metrics, *, write_concurrency: int = 8,
-                 max_parallel_saves: int = 16, test_write_delay: float = 0.0,
+                 max_parallel_saves: int = 16, io_nice: int = DEFAULT_IO_NICE,
+                 test_write_delay: float = 0.0,
                  test_write_gate: str | None = None,
                  on_committed: Callable[[str, int], None] | None = None) -> None:
         self.storage = storage
         self.metrics = metrics
         self._aborted = threading.Event()
         self.guarded = _GuardedStorage(storage, self._aborted)
-        self.io = ThreadPoolExecutor(max_workers=write_concurrency, thread_name_prefix="ckptd-io")
+        # Writing is background work: these threads yield the node's cores to trainers.
+        lower = functools.partial(set_this_thread, background_nice(io_nice))
+        self.io = ThreadPoolExecutor(max_workers=write_concurrency, thread_name_prefix="ckptd-io",
+                                     initializer=lower)
         self._workers = ThreadPoolExecutor(max_workers=max_parallel_saves + 4,
-                                           thread_name_prefix="ckptd-save")
+                                           thread_name_prefix="ckptd-save", initializer=lower)
         self._slots = asyncio.Semaphore(max_parallel_saves)
         self.saves: collections.OrderedDict[str, SaveRecord] = collections.OrderedDict()
         self.trackers: collections.OrderedDict[tuple[str, int, str], AttemptTracker] = (

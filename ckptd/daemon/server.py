@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import grp
 import hmac
+import functools
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ from ckptd.daemon.config import MAX_CONCURRENT_RPCS, DaemonConfig
 from ckptd.daemon.fdsocket import FdServer
 from ckptd.daemon.metrics import Metrics, serve_metrics
 from ckptd.daemon.pipeline import WritePipeline
+from ckptd.daemon.priority import background_nice, set_this_thread
 from ckptd.daemon.rpcerrors import trailing_metadata
 from ckptd.daemon.service import Servicer
 from ckptd.daemon.staging import StagingPool
@@ -235,8 +237,11 @@ async def run(cfg: DaemonConfig) -> int:
     metrics = Metrics()
     budget = ByteBudget(cfg.staging_bytes)
     pool = StagingPool(budget, metrics)
-    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-retention")
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-retention",
+                                    initializer=functools.partial(
+                                        set_this_thread, background_nice(cfg.io_nice)))
     pipeline = WritePipeline(storage, metrics, write_concurrency=cfg.write_concurrency,
+                             io_nice=cfg.io_nice,
                              test_write_delay=cfg.test_write_delay,
                              test_write_gate=cfg.test_write_gate,
                              on_committed=make_retention(cfg, storage, background))
