@@ -191,16 +191,37 @@ def resolve_step(storage: StorageBackend, job: str, step: int | None) -> CommitR
     paths.check_job(job)
     if step is None:
         names = storage.list_dir(job)
-        for s in sorted((x for x in map(paths.parse_step_dir, names) if x is not None),
-                        reverse=True):
-            rec = read_commit(storage, job, s)
+        steps = sorted((x for x in map(paths.parse_step_dir, names) if x is not None),
+                       reverse=True)
+        damaged: list[tuple[int, CorruptCheckpointError]] = []
+        for s in steps:
+            try:
+                rec = read_commit(storage, job, s)
+            except CorruptCheckpointError as exc:  # as list_steps: not loadable, skipped
+                log.warning("ckptd: skipping step %d of job %s, whose COMMITTED marker is "
+                            "damaged: %s", s, job, exc)
+                damaged.append((s, exc))
+                continue
             if rec is not None:
                 return rec
         where = f"{storage.url}/{job}"
+        if damaged:
+            raise CorruptCheckpointError(
+                f"job {job!r} in {storage.url} has no loadable committed checkpoint: the "
+                f"COMMITTED markers of steps {[s for s, _ in damaged]} are damaged (step "
+                f"{damaged[0][0]}: {damaged[0][1]})"
+            ) from damaged[0][1]
         if not names:
             raise CheckpointNotFoundError(
                 f"no checkpoint of job {job!r} in {storage.url}: nothing is stored under "
                 f"{where}. Check the job name and storage URI, or save a checkpoint first."
+            )
+        if not steps:
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise CheckpointNotFoundError(
+                f"{where} is not a ckptd job: expected step directories (12-digit step "
+                f"numbers such as 000000000100), found {shown}. Check the job name and storage "
+                "URI: URI/JOB names the job's directory under the storage root."
             )
         raise CheckpointNotFoundError(
             f"job {job!r} in {storage.url} has no committed checkpoint (found only "

@@ -12,6 +12,8 @@
   the attempt and, for a superseded attempt, from the step's ``COMMITTED`` too, so a
   reader that started on the old attempt just before the switch keeps it for the grace
   period.  An attempt whose age the backend cannot tell is kept.
+* A step whose ``COMMITTED`` marker is damaged (unreadable) is kept whole and listed in
+  ``damaged_steps``: which attempt it committed is unknown.
 * Objects are deleted in parallel: prefixes on a thread pool, and on S3 each prefix in
   batches of 1000 keys per request, several requests in flight.
 """
@@ -19,13 +21,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, CorruptCheckpointError
 from ckptd.format import paths
 from ckptd.format.commit import read_commit
 from ckptd.storage.base import StorageBackend
@@ -39,6 +42,8 @@ from ckptd.tools.common import (
 )
 
 DEFAULT_GRACE_S = 3600.0
+_DAMAGED = object()  # scan result of a step whose COMMITTED marker is damaged
+log = logging.getLogger("ckptd.tools")
 
 
 @dataclass(slots=True)
@@ -57,6 +62,8 @@ class GcReport:
     dry_run: bool
     kept_steps: list[int] = field(default_factory=list)
     deleted_steps: list[int] = field(default_factory=list)
+    #: steps whose COMMITTED marker is damaged: nothing of them is deleted
+    damaged_steps: list[int] = field(default_factory=list)
     removals: list[Removal] = field(default_factory=list)
     protected: list[Removal] = field(default_factory=list)  # leftovers younger than grace
     objects_deleted: int = 0
@@ -105,10 +112,20 @@ def apply_retention(storage: StorageBackend, job: str, keep_last: int,
 
     def scan(step: int) -> tuple[int, Any, dict[str, Any]]:
         sdir = paths.step_dir(job, step)
-        return step, read_commit(storage, job, step), storage.list_objects(sdir)
+        try:
+            rec = read_commit(storage, job, step)
+        except CorruptCheckpointError as exc:
+            # Whether the step was committed, and which attempt, is unknown: keep all of it
+            # (an operator may repair the marker) and go on with the other steps.
+            log.warning("ckptd gc: keeping step %d of job %s, whose COMMITTED marker is "
+                        "damaged: %s", step, job, exc)
+            return step, _DAMAGED, {}
+        return step, rec, storage.list_objects(sdir)
 
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(steps)))) as pool:
         scanned = list(pool.map(scan, steps))
+    report.damaged_steps = [s for s, rec, _ in scanned if rec is _DAMAGED]
+    scanned = [x for x in scanned if x[1] is not _DAMAGED]
     committed = [s for s, rec, _ in scanned if rec is not None]
     keep = plan_retention(committed, keep_last, keep_every)
     report.kept_steps = sorted(keep)
@@ -197,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
                     [[r.step, r.attempt, r.reason, r.objects, human_bytes(r.bytes),
                       human_age(r.age_s)] for r in report.removals],
                     right=["STEP", "OBJECTS", "SIZE", "AGE"])
+    if report.damaged_steps:
+        print(f"kept steps {report.damaged_steps} whole: their COMMITTED markers are damaged "
+              "(see `ckptd verify --all`)")
     if report.protected:
         print(f"kept {len(report.protected)} uncommitted attempts younger than the grace "
               f"period ({human_age(grace)}): " + ", ".join(

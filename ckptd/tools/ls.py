@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckptd.errors import CheckpointNotFoundError
+from ckptd.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptd.format import paths
 from ckptd.format.commit import list_jobs, read_commit
 from ckptd.storage import open_storage
@@ -46,7 +46,11 @@ def step_rows(storage: StorageBackend, job: str, now: float | None = None) -> li
     def one(step: int) -> dict[str, Any]:
         sdir = paths.step_dir(job, step)
         objs = storage.list_objects(sdir)
-        rec = read_commit(storage, job, step)
+        damaged = None
+        try:
+            rec = read_commit(storage, job, step)
+        except CorruptCheckpointError as exc:  # shown as damaged; the other steps still list
+            rec, damaged = None, str(exc)
         attempts: dict[str, int] = {}
         newest: float | None = None
         for key, info in objs.items():
@@ -61,6 +65,7 @@ def step_rows(storage: StorageBackend, job: str, now: float | None = None) -> li
         return {
             "step": step,
             "committed": rec is not None,
+            "damaged": damaged,
             "attempt": rec.attempt if rec else None,
             "world_size": rec.world_size if rec else None,
             "framework": _framework(storage, job, step, rec.attempt) if rec else None,
@@ -74,7 +79,8 @@ def step_rows(storage: StorageBackend, job: str, now: float | None = None) -> li
         rows = list(pool.map(one, steps))
     # object stores list no directories, but some (SeaweedFS) keep empty ones: a step
     # without any object does not exist
-    return [r for r in rows if r["committed"] or r["bytes_all_attempts"] or r["other_attempts"]]
+    return [r for r in rows if r["committed"] or r["damaged"] or r["bytes_all_attempts"]
+            or r["other_attempts"]]
 
 
 def job_rows(storage: StorageBackend, now: float | None = None) -> list[dict[str, Any]]:
@@ -96,6 +102,12 @@ def job_rows(storage: StorageBackend, now: float | None = None) -> list[dict[str
             "age_s": (latest or steps[-1])["age_s"],
         })
     return out
+
+
+def _status(row: dict[str, Any]) -> str:
+    if row["committed"]:
+        return "committed"
+    return "damaged COMMITTED" if row["damaged"] else "uncommitted"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,12 +134,15 @@ def run(args: argparse.Namespace) -> int:
             print_table(f"{storage.url}/{job}",
                         ["STEP", "STATUS", "WORLD", "FRAMEWORK", "SIZE", "AGE", "ATTEMPT",
                          "OTHER ATTEMPTS"],
-                        [[r["step"], "committed" if r["committed"] else "uncommitted",
+                        [[r["step"], _status(r),
                           r["world_size"] or "", r["framework"] or "",
                           human_bytes(r["bytes"] if r["committed"] else r["bytes_all_attempts"]),
                           human_age(r["age_s"]), r["attempt"] or "",
                           len(r["other_attempts"]) or ""] for r in rows],
                         right=["STEP", "WORLD", "SIZE", "AGE", "OTHER ATTEMPTS"])
+            for r in rows:
+                if r["damaged"]:
+                    print(f"step {r['step']} is not loadable: {r['damaged']}")
             return 0
         rows = job_rows(storage)
         if not rows and not args.json:

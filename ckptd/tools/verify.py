@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ckptd.errors import CheckpointNotFoundError, CkptdError
+from ckptd.errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
 from ckptd.format import paths
 from ckptd.format.checksum import crc32c
 from ckptd.format.commit import CommitRecord, present_ranks, read_commit, resolve_step
@@ -41,7 +41,7 @@ from ckptd.tools.common import human_bytes, open_job, print_json, print_table, p
 @dataclass(frozen=True, slots=True)
 class Problem:
     step: int
-    kind: str  # manifest, index, metadata, coverage, missing, size, checksum
+    kind: str  # commit, manifest, index, metadata, coverage, missing, size, checksum
     what: str  # array, tensor or document
     chunk: str | None = None
     expected: str | None = None
@@ -62,8 +62,8 @@ class Problem:
 @dataclass(slots=True)
 class StepReport:
     step: int
-    attempt: str
-    world_size: int
+    attempt: str | None  # None: the step's COMMITTED marker is damaged
+    world_size: int | None
     problems: list[Problem]
     objects: int = 0
     bytes_read: int = 0
@@ -312,19 +312,46 @@ def verify_step(storage: StorageBackend, rec: CommitRecord, *, threads: int = 8,
     return report
 
 
+def _commit_or_problem(storage: StorageBackend, job: str,
+                       step: int) -> CommitRecord | StepReport | None:
+    """The step's commit record; a report with one ``commit`` problem if its COMMITTED
+    marker is damaged; None if it has none."""
+    try:
+        return read_commit(storage, job, step)
+    except CorruptCheckpointError as exc:
+        key = paths.committed_key(job, step)
+        return StepReport(step, None, None, [Problem(
+            step, "commit", "COMMITTED marker", expected="a valid commit record",
+            found=str(exc), key=key)])
+
+
 def verify(storage: StorageBackend, job: str, step: int | None = None, all_steps: bool = False,
            *, threads: int = 8, on_bytes: Any = None) -> list[StepReport]:
-    """Verify one committed step (latest if None) or, with ``all_steps``, every one."""
-    if all_steps:
-        paths.check_job(job)
+    """Verify one committed step (latest if None) or, with ``all_steps``, every one.
+
+    A step whose ``COMMITTED`` marker is damaged is a report with a ``commit`` problem;
+    without ``step``, damaged markers of steps newer than the latest loadable step are
+    reported too (loading skips them)."""
+    paths.check_job(job)
+    found: list[CommitRecord | StepReport] = []
+    if all_steps or step is None:
         steps = sorted(s for s in map(paths.parse_step_dir, storage.list_dir(job)) if s is not None)
-        recs = [r for r in (read_commit(storage, job, s) for s in steps) if r is not None]
-        if not recs:
+        for s in steps if all_steps else reversed(steps):
+            r = _commit_or_problem(storage, job, s)
+            if r is not None:
+                found.append(r)
+                if not all_steps and isinstance(r, CommitRecord):
+                    break  # the latest loadable step
+        found.sort(key=lambda r: r.step)
+        if not found:
             resolve_step(storage, job, None)  # raises the right "not found" error
             raise CheckpointNotFoundError(f"job {job!r} has no committed step")
     else:
-        recs = [resolve_step(storage, job, step)]
-    return [verify_step(storage, r, threads=threads, on_bytes=on_bytes) for r in recs]
+        paths.check_step(step)
+        r = _commit_or_problem(storage, job, step)
+        found = [r if r is not None else resolve_step(storage, job, step)]
+    return [r if isinstance(r, StepReport) else
+            verify_step(storage, r, threads=threads, on_bytes=on_bytes) for r in found]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -355,6 +382,13 @@ def run(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     for r in reports:
         status = "OK" if not r.problems else f"{len(r.problems)} PROBLEMS"
+        if r.attempt is None:
+            print(f"{storage.url}/{job} step {r.step}: {status}; its COMMITTED marker is "
+                  "damaged, so the step is not loadable: load and the tools use an earlier "
+                  "step, and `ckptd gc` keeps this step's objects.")
+            print_table(None, ["KIND", "WHAT", "EXPECTED", "FOUND", "KEY"],
+                        [[p.kind, p.what, p.expected, p.found, p.key] for p in r.problems])
+            continue
         print(f"{storage.url}/{job} step {r.step} (attempt {r.attempt}, world size "
               f"{r.world_size}): {status}; read {r.objects} objects, {human_bytes(r.bytes_read)} "
               f"in {r.seconds:.1f}s")

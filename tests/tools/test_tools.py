@@ -340,6 +340,46 @@ def test_reshard_and_export_on_s3(s3_uri, tmp_path, capsys):
     assert torch.equal(got["w"], full["model/w"]) and torch.equal(got["b"], full["model/b"])
 
 
+def test_a_damaged_commit_marker_is_reported_and_does_not_stop_the_tools(tmp_path, capsys):
+    """One step's COMMITTED is damaged (not valid JSON): the latest loadable step is the
+    one before it, ls shows the damage, verify reports it (exit 1) instead of failing, and
+    gc neither fails nor deletes anything of the damaged step."""
+    storage = open_storage(str(tmp_path))
+    for s in (1, 2, 3):
+        write_step(storage, "torn", s, f"a{s}")
+    with open(tmp_path / paths.committed_key("torn", 3), "w") as f:
+        f.write('{"attempt": "a')
+    uri = f"file://{tmp_path}/torn"
+    assert resolve_step(storage, "torn", None).step == 2
+    rc, doc = run_json(capsys, "ls", uri)
+    assert rc == 0
+    rows = {r["step"]: r for r in doc["steps"]}
+    assert rows[2]["committed"] and not rows[3]["committed"]
+    assert "not valid JSON" in rows[3]["damaged"] and rows[2]["damaged"] is None
+    rc, doc = run_json(capsys, "ls", f"file://{tmp_path}")
+    assert rc == 0 and doc["jobs"][0]["latest_step"] == 2
+    for argv, checked in ((["verify", uri], [3, 2]), (["verify", uri, "--step", "3"], [3]),
+                          (["verify", uri, "--all"], [1, 2, 3])):
+        rc, doc = run_json(capsys, *argv)
+        assert rc == 1 and sorted(r["step"] for r in doc["steps"]) == sorted(checked), argv
+        bad = [r for r in doc["steps"] if not r["ok"]]
+        assert [r["step"] for r in bad] == [3], argv
+        (p,) = bad[0]["problems"]
+        assert p["kind"] == "commit" and "not valid JSON" in p["found"]
+        assert p["key"] == paths.committed_key("torn", 3)
+    rc, out, _ = run_cli(capsys, "verify", uri)
+    assert rc == 1 and "step 3" in out and "COMMITTED" in out
+    rc, doc = run_json(capsys, "inspect", uri)
+    assert rc == 0 and doc["step"] == 2
+    before = {k for k in storage.list_files("torn") if k.startswith("torn/000000000003/")}
+    rep = apply_retention(storage, "torn", keep_last=1, grace_s=0)
+    assert rep.kept_steps == [2] and rep.deleted_steps == [1] and rep.damaged_steps == [3]
+    assert {k for k in storage.list_files("torn")
+            if k.startswith("torn/000000000003/")} == before
+    rc, out, _ = run_cli(capsys, "gc", uri, "--keep-last", "1", "--grace", "0")
+    assert rc == 0 and "damaged" in out
+
+
 # --------------------------------------------------------------------------- bad arguments
 
 

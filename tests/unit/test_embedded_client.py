@@ -19,6 +19,8 @@ from ckptd.errors import (
     StateMismatchError,
 )
 from ckptd.format import paths
+from ckptd.format.commit import resolve_step
+from ckptd.storage import open_storage
 from ckptd_client import CheckpointClient
 
 
@@ -487,9 +489,23 @@ def test_a_damaged_commit_marker_hides_only_its_step(tmp_path):
     with open(tmp_path / paths.committed_key("marker", 2), "w") as f:
         f.write("{")
     assert c.list_steps() == [1]
+    assert c.load(model).step == 1  # the latest loadable step, as list_steps says
     with pytest.raises(CheckpointNotFoundError, match=r"committed steps: \[1\]"):
         c.load(model, step=3)
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
         c.load(model, step=2)
     assert c.load(model, step=1).step == 1
     c.close()
+
+
+def test_a_directory_that_is_not_a_job_is_named_as_such(tmp_path):
+    """A URI/JOB whose directory holds no step directories (a storage root given as the
+    job, a typo) is reported as not a ckptd job, not as 'only uncommitted attempts'."""
+    c = CheckpointClient("j", storage=_uri(tmp_path))
+    c.save(torch.nn.Linear(2, 2), step=1)
+    c.close()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    storage = open_storage(str(tmp_path.parent))
+    with pytest.raises(CheckpointNotFoundError, match=r"is not a ckptd job: .*found j, notes"):
+        resolve_step(storage, tmp_path.name, None)
