@@ -61,6 +61,7 @@ class DaemonConfig:
     keep_last: int | None = None
     keep_every: int | None = None
     drain_timeout: float = 600.0
+    storage_retry_s: float = 300.0
     log_format: str = "text"
     # test-only hooks (documented in docs/DAEMON.md; never set them in production)
     test_write_delay: float = 0.0      # CKPTD_TEST_WRITE_DELAY: seconds to wait before each write
@@ -109,6 +110,9 @@ class DaemonConfig:
         if self.keep_every is not None and self.keep_last is None:
             raise ConfigError("--keep-every needs --keep-last (retention keeps the last K "
                               "checkpoints plus every M-th step)")
+        if not 0 <= self.storage_retry_s <= 3600:
+            raise ConfigError(f"--storage-retry-s must be in [0, 3600] seconds, got "
+                              f"{self.storage_retry_s}")
         if self.drain_timeout < 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         if self.log_format not in ("json", "text"):
@@ -142,6 +146,9 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "keep_last": (int, "retention after each commit: keep the last K checkpoints"),
     "keep_every": (int, "retention after each commit: also keep every M-th step"),
     "drain_timeout": (float, "seconds SIGTERM waits for in-flight saves (default 600)"),
+    "storage_retry_s": (float, ("seconds a failing object-store write or delete is retried "
+                                "before its save fails (S3; default 300; at most 100 attempts): the daemon holds the "
+                                "bytes, so an outage shorter than this loses no checkpoint")),
     "log_format": (str, "json or text (default text)"),
 }
 

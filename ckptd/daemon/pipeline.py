@@ -439,7 +439,8 @@ class WritePipeline:
         try:
             if error is not None:
                 error = (error[0], (f"save of step {ident.step} (job {ident.job!r}, rank "
-                                    f"{ident.rank}) failed and was not committed: {error[1]}. "
+                                    f"{ident.rank}) failed and was not committed: "
+                                    f"{error[1].rstrip('.')}. "
                                     "Earlier checkpoints are untouched."))
                 self._fail(rec, *error)
                 tracker.fail_all("SaveFailedError", (

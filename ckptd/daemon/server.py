@@ -221,6 +221,18 @@ def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
     return key, cert, token
 
 
+def _write_storage(cfg: DaemonConfig, storage: StorageBackend) -> StorageBackend:
+    """The storage the write pipeline and retention use.  On an object store it retries
+    transient failures for ``--storage-retry-s`` seconds (instead of a few attempts): the
+    daemon holds the save's bytes, so it can ride out an outage or a throttling burst while
+    training goes on.  Reads keep the default policy, so a waiting ``load`` or listing fails
+    within its RPC deadline with the storage's error.  Local disks do not retry."""
+    if not cfg.storage.startswith("s3://"):
+        return storage
+    return open_storage(cfg.storage, retry_attempts=100, retry_deadline_s=cfg.storage_retry_s,
+                        retry_max_wait_s=min(30.0, max(1.0, cfg.storage_retry_s / 10)))
+
+
 async def run(cfg: DaemonConfig) -> int:
     # The event loop answers Save while writer threads run: switch the GIL more often than
     # the default 5 ms so an acknowledgement is not queued behind them.
@@ -234,17 +246,18 @@ async def run(cfg: DaemonConfig) -> int:
                  cfg.shm_dir)
     tls = _tls_material(cfg) if cfg.listen else None
     storage = open_storage(cfg.storage)
+    write_storage = _write_storage(cfg, storage)
     metrics = Metrics()
     budget = ByteBudget(cfg.staging_bytes)
     pool = StagingPool(budget, metrics)
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-retention",
                                     initializer=functools.partial(
                                         set_this_thread, background_nice(cfg.io_nice)))
-    pipeline = WritePipeline(storage, metrics, write_concurrency=cfg.write_concurrency,
+    pipeline = WritePipeline(write_storage, metrics, write_concurrency=cfg.write_concurrency,
                              io_nice=cfg.io_nice,
                              test_write_delay=cfg.test_write_delay,
                              test_write_gate=cfg.test_write_gate,
-                             on_committed=make_retention(cfg, storage, background))
+                             on_committed=make_retention(cfg, write_storage, background))
     read_pool = ThreadPoolExecutor(max_workers=max(4, cfg.write_concurrency),
                                    thread_name_prefix="ckptd-read")
     health_servicer = health.aio.HealthServicer()
@@ -339,6 +352,8 @@ async def run(cfg: DaemonConfig) -> int:
     read_pool.shutdown(wait=False, cancel_futures=True)
     background.shutdown(wait=True)
     storage.close()
+    if write_storage is not storage:
+        write_storage.close()
     logs.event("stopped", event="daemon", state="stopped")
     return 0
 
