@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from ckptd.daemon.priority import DEFAULT_IO_NICE, MAX_NICE
 from ckptd.errors import ConfigError
+from ckptd.storage import BACKGROUND_RETRY_S
 
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 MAX_MESSAGE_BYTES = 64 << 20     # gRPC receive/send limit (plans and metadata; data is chunked)
@@ -61,7 +62,7 @@ class DaemonConfig:
     keep_last: int | None = None
     keep_every: int | None = None
     drain_timeout: float = 600.0
-    storage_retry_s: float = 300.0
+    storage_retry_s: float = BACKGROUND_RETRY_S
     log_format: str = "text"
     # test-only hooks (documented in docs/DAEMON.md; never set them in production)
     test_write_delay: float = 0.0      # CKPTD_TEST_WRITE_DELAY: seconds to wait before each write

@@ -43,7 +43,7 @@ from ckptd.daemon.rpcerrors import trailing_metadata
 from ckptd.daemon.service import Servicer
 from ckptd.daemon.staging import StagingPool
 from ckptd.errors import AuthenticationError, ConfigError
-from ckptd.storage import open_storage
+from ckptd.storage import open_storage, open_write_storage
 from ckptd.storage.base import StorageBackend
 from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
 
@@ -222,15 +222,13 @@ def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
 
 
 def _write_storage(cfg: DaemonConfig, storage: StorageBackend) -> StorageBackend:
-    """The storage the write pipeline and retention use.  On an object store it retries
-    transient failures for ``--storage-retry-s`` seconds (instead of a few attempts): the
-    daemon holds the save's bytes, so it can ride out an outage or a throttling burst while
-    training goes on.  Reads keep the default policy, so a waiting ``load`` or listing fails
-    within its RPC deadline with the storage's error.  Local disks do not retry."""
+    """The storage the write pipeline and retention use: on an object store it retries
+    transient failures for ``--storage-retry-s`` seconds, riding out an outage while the
+    daemon holds the bytes.  Reads keep ``storage``'s short policy, so a waiting ``load``
+    or listing fails within its RPC deadline with the storage's error."""
     if not cfg.storage.startswith("s3://"):
         return storage
-    return open_storage(cfg.storage, retry_attempts=100, retry_deadline_s=cfg.storage_retry_s,
-                        retry_max_wait_s=min(30.0, max(1.0, cfg.storage_retry_s / 10)))
+    return open_write_storage(cfg.storage, retry_window_s=cfg.storage_retry_s)
 
 
 async def run(cfg: DaemonConfig) -> int:

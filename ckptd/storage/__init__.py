@@ -10,7 +10,11 @@ from ckptd.errors import ConfigError
 from ckptd.storage.base import StorageBackend, check_key
 from ckptd.storage.fsspec_backend import FsspecBackend, LocalBackend
 
-__all__ = ["StorageBackend", "FsspecBackend", "LocalBackend", "open_storage", "check_key"]
+__all__ = ["StorageBackend", "FsspecBackend", "LocalBackend", "open_storage",
+           "open_write_storage", "check_key"]
+
+#: Seconds background writes retry a failing object store (see :func:`open_write_storage`).
+BACKGROUND_RETRY_S = 300.0
 
 
 def open_storage(uri: str, **options: Any) -> StorageBackend:
@@ -53,3 +57,21 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
             "whose name contains ':', write it as './name' or as an absolute path."
         )
     return LocalBackend(os.path.expanduser(uri))
+
+
+def open_write_storage(uri: str, *, retry_window_s: float = BACKGROUND_RETRY_S,
+                       **options: Any) -> StorageBackend:
+    """A backend for writes that run in the background while training goes on (the daemon's
+    write pipeline, the embedded client's writer thread).
+
+    Their bytes stay staged until durable, so on an object store a transient failure --
+    an outage, 5xx, throttling -- is retried for ``retry_window_s`` seconds (at most 100
+    attempts, backoff up to 30 s) instead of the few attempts that suit a caller who waits
+    (a load, a listing).  Retry options the caller set explicitly win.  Local disks do not
+    retry (their errors are not transient).
+    """
+    if isinstance(uri, str) and uri.strip().startswith("s3://"):
+        options.setdefault("retry_attempts", 100)
+        options.setdefault("retry_deadline_s", retry_window_s)
+        options.setdefault("retry_max_wait_s", min(30.0, max(1.0, retry_window_s / 10)))
+    return open_storage(uri, **options)

@@ -54,3 +54,44 @@ def test_wrong_credentials_are_a_clear_permission_error(s3_uri, monkeypatch):
         handle.result(60)
     with pytest.raises(StoragePermissionError):
         client.list_steps()
+
+
+@pytest.mark.s3
+def test_background_write_rides_out_an_s3_outage_while_a_load_fails_fast(
+        s3_uri, s3_server, caplog):
+    """The embedded writer holds the staged bytes, so it retries an unreachable endpoint
+    for minutes (100 attempts) and commits once it is back; a load, whose caller waits,
+    gives up after the short policy with a clear, typed error."""
+    import logging
+    import time
+
+    from faultproxy import FaultProxy
+
+    from ckptd.errors import TransientStorageError
+
+    proxy = FaultProxy(s3_server.endpoint_url)
+    caplog.set_level(logging.WARNING, logger="ckptd.storage.s3")
+    try:
+        client = CheckpointClient("outage", storage=s3_uri,
+                                  storage_options={"endpoint_url": proxy.url})
+        m = torch.nn.Linear(64, 32)
+        client.save_async(m, step=1).result(120)
+        proxy.down()
+        handle = client.save_async(m, step=2)
+        deadline = time.monotonic() + 120
+        while "attempt 2/100" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text[-2000:]
+            time.sleep(0.05)
+        assert not handle.done()
+        reader = CheckpointClient("outage", storage=s3_uri,
+                                  storage_options={"endpoint_url": proxy.url,
+                                                   "retry_attempts": 2})
+        with pytest.raises(TransientStorageError, match="unreachable"):
+            reader.load(torch.nn.Linear(64, 32))
+        proxy.up()
+        assert handle.result(120).step == 2
+        assert committed_steps(open_storage(s3_uri), "outage") == [1, 2]
+        client.close()
+        reader.close()
+    finally:
+        proxy.close()

@@ -16,7 +16,7 @@ from ckptd.errors import CkptdError, SaveFailedError
 from ckptd.format.commit import try_commit, wait_committed
 from ckptd.format.plan import RankPlan
 from ckptd.format.writer import SaveIdentity, write_rank
-from ckptd.storage import open_storage
+from ckptd.storage import open_storage, open_write_storage
 from ckptd.storage.base import StorageBackend
 from ckptd_client.staging import StagingBuffer
 from ckptd_client.transport.base import Lease, Transport
@@ -28,6 +28,9 @@ class EmbeddedTransport(Transport):
     def __init__(self, uri: str, *, storage_options: dict[str, Any], write_concurrency: int = 8,
                  commit_timeout: float | None = 1800.0) -> None:
         self._storage = open_storage(uri, **storage_options)
+        # the writer thread holds the staged bytes: it rides out an object-store outage
+        self._wstorage = (open_write_storage(uri, **storage_options)
+                          if uri.strip().startswith("s3://") else self._storage)
         self.url = self._storage.url
         self._staging = StagingBuffer()
         self._free = threading.Semaphore(1)
@@ -75,7 +78,7 @@ class EmbeddedTransport(Transport):
 
         def wait(nbytes: int) -> None:
             try:
-                wait_committed(self._storage, ident.job, ident.step, ident.attempt,
+                wait_committed(self._wstorage, ident.job, ident.step, ident.attempt,
                                ident.world_size, self._commit_timeout, self._cancel)
             except BaseException as exc:  # noqa: BLE001
                 fail(exc)
@@ -85,13 +88,13 @@ class EmbeddedTransport(Transport):
         def write() -> None:
             try:
                 try:
-                    manifest = write_rank(self._storage, ident, plan, lease.buffer.numpy(),
+                    manifest = write_rank(self._wstorage, ident, plan, lease.buffer.numpy(),
                                           extra=extra, param_groups=param_groups,
                                           executor=self._io)
                 finally:
                     lease.release()
                 nbytes = sum(c.nbytes for a in manifest.arrays.values() for c in a.chunks.values())
-                if try_commit(self._storage, ident.job, ident.step, ident.attempt,
+                if try_commit(self._wstorage, ident.job, ident.step, ident.attempt,
                               ident.world_size) is not None:
                     log.info("ckptd: committed step %d of job %s", ident.step, ident.job)
                     out.set_result(info(nbytes))
@@ -111,3 +114,5 @@ class EmbeddedTransport(Transport):
         self._waiters.shutdown(wait=True)
         self._io.shutdown(wait=True)
         self._storage.close()
+        if self._wstorage is not self._storage:
+            self._wstorage.close()
