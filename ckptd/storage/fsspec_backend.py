@@ -48,6 +48,13 @@ class FsspecBackend(StorageBackend):
             )
         if isinstance(exc, StorageError):
             return exc
+        if isinstance(exc, (NotADirectoryError, IsADirectoryError, FileExistsError)):
+            return StorageError(
+                f"{what} in {self.url} failed: {type(exc).__name__}: {exc}. Expected a "
+                "directory tree that only ckptd writes; a file or directory was put where the "
+                "checkpoint layout needs the other kind. Move it away (or pick another "
+                "storage URI) and save again."
+            )
         return StorageError(f"{what} in {self.url} failed: {type(exc).__name__}: {exc}")
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -285,9 +292,9 @@ def _fsync_dir(path: str) -> None:
 
 
 def _unlink_quiet(path: str) -> None:
+    """Remove a temporary file on an error path, never masking that error: whatever
+    fails here (the file was never created, its directory is gone or is a file) is moot."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:
+    except OSError:
         pass

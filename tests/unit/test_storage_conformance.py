@@ -343,6 +343,18 @@ class TestLocalBackend(StorageConformance):
         backend.put("dir/new", b"new data")  # the next save works
         assert backend.get("dir/new") == b"new data"
 
+    def test_a_file_where_a_directory_belongs_is_named_with_what_to_do(
+        self, backend: LocalBackend
+    ) -> None:
+        backend.put("job/keep", b"earlier")
+        with open(os.path.join(backend.root, "job", "step"), "w") as f:
+            f.write("not a directory")
+        with pytest.raises(StorageError, match="Move it away") as info:
+            backend.put("job/step/rank0", b"data")
+        assert "writing job/step/rank0" in str(info.value)
+        assert isinstance(info.value.__cause__, NotADirectoryError)  # not the temp cleanup's
+        assert backend.get("job/keep") == b"earlier"
+
     def test_open_storage_paths(self, tmp_path: Any) -> None:
         assert isinstance(open_storage(str(tmp_path)), LocalBackend)
         assert isinstance(open_storage(f"file://{tmp_path}"), LocalBackend)
