@@ -394,7 +394,10 @@ class CheckpointClient:
         Works at any world size and across frameworks.  With ``strict`` every tensor of
         the model (and optimizer) must be in the checkpoint with the same shape and dtype,
         and nothing else may be; otherwise missing tensors keep their values, unexpected
-        ones are ignored, and dtypes are converted.  Shapes must always match.
+        ones are ignored, and dtypes are converted.  Shapes must always match.  A
+        checkpoint saved without optimizer state, or with another number of optimizer param
+        groups, is a mismatch too (strict=False keeps the optimizer's own).  Nothing is
+        changed when a check fails.
         """
         storage = self._transport.storage()
         rec = resolve_step(storage, self.job, step)
@@ -404,6 +407,9 @@ class CheckpointClient:
             for name, t in index.tensors.items() if not name.startswith(EXTRA_PREFIX)
         }
         adapter = adapter_for(model)
+        # load_plan may create the state of an optimizer that has none (to have tensors to
+        # fill); a load that fails its checks must leave the optimizer as it was
+        fresh_optim = optimizer is not None and not optimizer.state
         plan = adapter.load_plan(model, optimizer, available)
         expected = dict(plan.model_names)
         if optimizer is not None:
@@ -425,18 +431,43 @@ class CheckpointClient:
             problems += [(k, v) for k, v in (("missing from the checkpoint", missing),
                                              ("unexpected in the checkpoint", unexpected),
                                              ("dtype mismatches", bad_dtype)) if v]
-        if problems:
+        # Checked here, before anything is loaded: hyperparameters are restored by group.
+        saved_groups = index.param_groups or None
+        optim_notes = []
+        if optimizer is not None and saved_groups is None and not any(
+                n.startswith("optim/") for n in available):
+            optim_notes.append(
+                "the checkpoint was saved without optimizer state (no optimizer= in save), so "
+                "the optimizer would stay as it is")
+        if (optimizer is not None and saved_groups is not None
+                and len(saved_groups) != len(optimizer.param_groups)):
+            optim_notes.append(
+                f"the optimizer has {len(optimizer.param_groups)} param groups but the "
+                f"checkpoint saved {len(saved_groups)}, so its hyperparameters cannot be restored")
+            if not strict:
+                log.warning("ckptd: %s; loading the tensors and keeping the optimizer's own "
+                            "hyperparameters (strict=False)", optim_notes[-1])
+                saved_groups = None
+        if problems or (strict and optim_notes):
             lines = []
             for what, names in problems:
                 shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)"
                                                  if len(names) > 20 else "")
                 lines.append(f"{len(names)} {what}: {shown}")
+            if strict:
+                lines += optim_notes
             if bad_shape:
                 hint = (" The model's architecture differs from the saved one (e.g. hidden size "
                         "or vocabulary); build it with the configuration the checkpoint was "
                         "saved with. Shapes must match even with strict=False.")
+            elif optim_notes and not problems:
+                hint = (" Build the optimizer as in the saved run, load without optimizer=, or "
+                        "pass strict=False to load the tensors and keep the optimizer's own "
+                        "state and hyperparameters where the checkpoint has none.")
             else:
                 hint = " Pass strict=False to load the matching tensors and keep the rest."
+            if fresh_optim:
+                optimizer.state.clear()  # type: ignore[union-attr]
             raise StateMismatchError(
                 f"model/optimizer do not match step {rec.step} of job {self.job!r} "
                 f"(saved by {index.framework} at world size {index.world_size}): "
@@ -448,7 +479,7 @@ class CheckpointClient:
         prefix = paths.attempt_prefix(rec.job, rec.step, rec.attempt)
         reader = CheckpointReader(storage, index, prefix)
         reader.read_targets(targets)
-        plan.finish(index.param_groups or None)
+        plan.finish(saved_groups)
 
         mine = self.rank if self.rank in index.extras else 0
         doc = index.extras.get(mine) or {}

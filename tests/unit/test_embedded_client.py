@@ -509,3 +509,53 @@ def test_a_directory_that_is_not_a_job_is_named_as_such(tmp_path):
     storage = open_storage(str(tmp_path.parent))
     with pytest.raises(CheckpointNotFoundError, match=r"is not a ckptd job: .*found j, notes"):
         resolve_step(storage, tmp_path.name, None)
+
+
+def _two_layer(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+
+def test_other_param_groups_fail_before_anything_is_loaded_and_load_with_strict_false(tmp_path):
+    """An optimizer built with other param groups (e.g. a no-weight-decay group added for
+    fine-tuning): strict load fails before the model or optimizer changed; strict=False
+    loads every tensor and keeps the optimizer's own hyperparameters."""
+    model = _two_layer(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    c = CheckpointClient("groups", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=1)
+    fresh = _two_layer(1)
+    opt2 = torch.optim.AdamW([{"params": fresh[0].parameters()},
+                              {"params": fresh[1].parameters(), "weight_decay": 0.0}], lr=0.5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(StateMismatchError, match="2 param groups.* saved 1"):
+        c.load(fresh, optimizer=opt2)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert not opt2.state
+    c.load(fresh, optimizer=opt2, strict=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, v in opt.state[p].items():
+            assert torch.equal(opt2.state[q][key], v), key
+    assert [g["lr"] for g in opt2.param_groups] == [0.5, 0.5]
+    assert [g["weight_decay"] for g in opt2.param_groups] == [0.01, 0.0]
+    c.close()
+
+
+def test_strict_load_with_an_optimizer_of_a_model_only_checkpoint_fails(tmp_path):
+    """A checkpoint saved without optimizer=: strict load with an optimizer says so instead of
+    silently leaving the optimizer fresh; strict=False (or no optimizer) loads the model."""
+    model = _two_layer(0)
+    c = CheckpointClient("modelonly", storage=_uri(tmp_path))
+    c.save(model, step=1)
+    fresh = _two_layer(1)
+    opt = torch.optim.Adam(fresh.parameters())
+    with pytest.raises(StateMismatchError, match="saved without optimizer state"):
+        c.load(fresh, optimizer=opt)
+    assert not torch.equal(fresh[0].weight, model[0].weight)
+    c.load(fresh, optimizer=opt, strict=False)
+    assert torch.equal(fresh[0].weight, model[0].weight) and not opt.state
+    c.close()
