@@ -186,6 +186,7 @@ class CheckpointClient:
                 daemon, job=self.job, rank=self.rank, world_size=self.world_size,  # type: ignore[arg-type]
                 token=token, commit_timeout=commit_timeout)
         self._inflight: list[SaveHandle] = []
+        self._closed = False
         self._adapter_for: tuple[torch.nn.Module, Any] | None = None
         self._last_plan: tuple[tuple, RankPlan] | None = None
         self._overlap_hooks: list[Any] = []
@@ -255,6 +256,12 @@ class CheckpointClient:
         background and the optimizer's next ``step()`` waits for it (a pre-step hook), so
         no update can change a tensor before it is staged.
         """
+        if self._closed:
+            raise ConfigError(
+                f"save_async(step={step}) on a closed CheckpointClient (job {self.job!r}): "
+                "close() or the end of its `with` block released its writer. Keep the client "
+                "open for the whole training loop, or create a new one."
+            )
         if step is None:
             step = self._counters.next_step
         step = paths.check_step(step)
@@ -497,6 +504,7 @@ class CheckpointClient:
 
     def close(self) -> None:
         """Wait for in-flight saves, then release the transport.  Idempotent."""
+        self._closed = True
         self.wait()
         self._transport.close()
 

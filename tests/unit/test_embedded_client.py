@@ -559,3 +559,14 @@ def test_strict_load_with_an_optimizer_of_a_model_only_checkpoint_fails(tmp_path
     c.load(fresh, optimizer=opt, strict=False)
     assert torch.equal(fresh[0].weight, model[0].weight) and not opt.state
     c.close()
+
+
+def test_saving_with_a_closed_client_says_so(tmp_path):
+    """After close() (e.g. the end of a `with` block) a save fails at once with a clear
+    error, not with the writer pool's 'cannot schedule new futures after shutdown'."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointClient("closed", storage=_uri(tmp_path)) as c:
+        c.save(model, step=1)
+    with pytest.raises(ConfigError, match="closed CheckpointClient"):
+        c.save_async(model, step=2)
+    assert c.list_steps() == [1]
