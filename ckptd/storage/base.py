@@ -54,6 +54,19 @@ class StorageBackend(abc.ABC):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes ``[start, end)`` of the object; raises FileNotFoundError if it is absent."""
 
+    def get_into(self, key: str, out: memoryview, start: int = 0) -> int:
+        """Read bytes ``[start, start + len(out))`` of the object into ``out``; return how many
+        were read (fewer when the object ends first).  FileNotFoundError if it is absent.
+
+        The default reads with :meth:`get` and copies; backends that can read in place (a
+        local file with ``preadv``) override it, so the daemon fills shared memory without an
+        intermediate buffer.
+        """
+        data = self.get(key, start, start + len(out))
+        n = len(data)
+        out[:n] = data
+        return n
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """Whether an object ``key`` exists."""

@@ -214,6 +214,28 @@ class LocalBackend(FsspecBackend):
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         return super().get(check_key(key), start, end)
 
+    def get_into(self, key: str, out: memoryview, start: int = 0) -> int:
+        path = self._path(check_key(key))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise self._translate(exc, f"reading {key}") from exc
+        try:
+            view = memoryview(out).cast("B")
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+            return done
+        except OSError as exc:
+            raise self._translate(exc, f"reading {key}") from exc
+        finally:
+            os.close(fd)
+
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(check_key(key)))
 

@@ -99,6 +99,28 @@ class StorageConformance:
         assert backend.get("r", -1000) == data
         assert backend.get("r", 10, -10) == data[10:-10]
 
+    def test_get_into(self, backend: StorageBackend) -> None:
+        data = bytes(range(100)) * 3
+        backend.put("g/i", data)
+        buf = bytearray(50)
+        assert backend.get_into("g/i", memoryview(buf), 10) == 50
+        assert bytes(buf) == data[10:60]
+        # the object ends first: fewer bytes, the rest of the buffer untouched
+        buf = bytearray(b"\xee" * 40)
+        assert backend.get_into("g/i", memoryview(buf), 280) == 20
+        assert buf[:20] == data[280:] and buf[20:] == b"\xee" * 20
+        assert backend.get_into("g/i", memoryview(bytearray(10)), 300) == 0
+        # into a slice of a larger buffer (as the daemon reads into a segment)
+        big = bytearray(400)
+        assert backend.get_into("g/i", memoryview(big)[64:364]) == 300
+        assert big[64:364] == data and big[:64] == bytes(64) and big[364:] == bytes(36)
+        with pytest.raises(FileNotFoundError):
+            backend.get_into("absent", memoryview(bytearray(4)))
+        with pytest.raises(FileNotFoundError):
+            backend.get_into("absent", memoryview(bytearray(0)))
+        with pytest.raises(ConfigError):
+            backend.get_into("g/../x", memoryview(bytearray(4)))
+
     def test_exists_and_size(self, backend: StorageBackend) -> None:
         assert not backend.exists("x/y")
         backend.put("x/y", b"12345")
