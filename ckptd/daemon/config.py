@@ -67,6 +67,7 @@ class DaemonConfig:
     # test-only hooks (documented in docs/DAEMON.md; never set them in production)
     test_write_delay: float = 0.0      # CKPTD_TEST_WRITE_DELAY: seconds to wait before each write
     test_write_gate: str | None = None  # CKPTD_TEST_WRITE_GATE: wait until this file exists
+    test_read_gate: str | None = None   # CKPTD_TEST_READ_GATE: each ReadIntoSegment range too
     max_message_bytes: int = field(default=MAX_MESSAGE_BYTES)
 
     def validate(self) -> DaemonConfig:
@@ -192,4 +193,7 @@ def from_args(args: argparse.Namespace | None = None,
     gate = env.get("CKPTD_TEST_WRITE_GATE")
     if gate:
         cfg.test_write_gate = gate
+    read_gate = env.get("CKPTD_TEST_READ_GATE")
+    if read_gate:
+        cfg.test_read_gate = read_gate
     return cfg.validate()

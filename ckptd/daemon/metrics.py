@@ -34,6 +34,12 @@ class Metrics:
         self.staging_budget = Gauge(
             "ckptd_staging_bytes_budget", "The node-wide staging budget (--staging-bytes)",
             registry=r)
+        self.bytes_read = Counter(
+            "ckptd_bytes_read", "Object bytes served to loads, by transfer: shared_memory "
+            "(ReadIntoSegment) or stream (ReadObject)", ["transfer"], registry=r)
+        self.reads_in_flight = Gauge(
+            "ckptd_read_ranges_in_flight", "Ranges of ReadIntoSegment calls being read now",
+            registry=r)
         self.sessions = Gauge("ckptd_sessions", "Registered client sessions", registry=r)
         self.segments = Gauge("ckptd_staging_segments", "Live staging segments", registry=r)
 

@@ -5,8 +5,10 @@
 to the daemon's memory cgroup and the client's first copy does not fault) and sealed with
 ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`` so nobody -- in particular the client it is
 handed to -- can resize it.  A client therefore cannot make the daemon's mapping fault
-(SIGBUS), which a file the client could truncate would allow.  The daemon keeps its own
-read-only mapping and writes chunks straight from it.
+(SIGBUS), which a file the client could truncate would allow.  For a save segment the
+daemon keeps its own read-only mapping and writes chunks straight from it; for a read
+segment (``writable``) its mapping is writable and ReadIntoSegment reads storage objects
+straight into it (:meth:`Segment.write_view`), while the client maps it read-only.
 
 :class:`StreamBuffer` is the daemon-side buffer of a remote client's streamed save (an
 anonymous private mapping, freed when the save's bytes are durable).
@@ -38,18 +40,26 @@ def segment_size(nbytes: int) -> int:
     return max(ALIGN, -(-want // ALIGN) * ALIGN)
 
 
+def read_segment_size(nbytes: int) -> int:
+    """Size of a read segment (ReadIntoSegment's target): ``nbytes`` rounded up to 1 MiB."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
 class Segment:
     """A sealed memfd segment and the daemon's read-only mapping of it."""
 
-    def __init__(self, segment_id: str, size: int, fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, segment_id: str, size: int, fd: int, mm: mmap.mmap,
+                 writable: bool = False) -> None:
         self.id = segment_id
         self.size = size
         self.fd = fd
         self.mm: mmap.mmap | None = mm
+        self.writable = writable
 
     @classmethod
-    def create(cls, segment_id: str, size: int, name: str) -> Segment:
-        """Create, pre-fault and seal a segment (blocking: call from a worker thread)."""
+    def create(cls, segment_id: str, size: int, name: str, writable: bool = False) -> Segment:
+        """Create, pre-fault and seal a segment (blocking: call from a worker thread).
+        ``writable``: the daemon's mapping may be written (a read segment)."""
         fd = os.memfd_create(f"ckptd-{name}"[:240], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
@@ -61,11 +71,12 @@ class Segment:
                     "of memory for staging: lower --staging-bytes or free memory"
                 ) from exc
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
         except BaseException:
             os.close(fd)
             raise
-        return cls(segment_id, size, fd, mm)
+        return cls(segment_id, size, fd, mm, writable)
 
     def check(self) -> None:
         """Verify (fstat, seals) that the segment still has the size the daemon maps."""
@@ -84,6 +95,19 @@ class Segment:
             raise StagingError(
                 f"save needs {nbytes} bytes but staging segment {self.id} holds {self.size}")
         return memoryview(self.mm)[:nbytes]
+
+    def write_view(self, offset: int, length: int) -> memoryview:
+        """The writable bytes ``[offset, offset + length)`` of a read segment."""
+        if self.mm is None:
+            raise StagingError(f"staging segment {self.id} was already freed")
+        if not self.writable:
+            raise StagingError(f"staging segment {self.id} is a save segment, not a read "
+                               "segment")
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise StagingError(
+                f"bytes [{offset}, {offset + length}) lie outside staging segment {self.id} of "
+                f"{self.size} bytes")
+        return memoryview(self.mm)[offset:offset + length]
 
     def close(self) -> None:
         """Unmap and close.  A mapping still exported (a view kept by a traceback) is left

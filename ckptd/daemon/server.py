@@ -265,7 +265,8 @@ async def run(cfg: DaemonConfig) -> int:
                                  maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         pb_grpc.add_CheckpointServiceServicer_to_server(
             Servicer(pool, pipeline, storage, local=local, fd_socket=cfg.fd_socket,
-                     read_pool=read_pool, max_message_bytes=cfg.max_message_bytes), server)
+                     read_pool=read_pool, max_message_bytes=cfg.max_message_bytes,
+                     test_read_gate=cfg.test_read_gate), server)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         return server
 

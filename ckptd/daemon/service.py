@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,7 +31,7 @@ from ckptd.daemon.pipeline import (
     save_id_of,
 )
 from ckptd.daemon.rpcerrors import REASON_DRAINING, RpcFailure, status_of, trailing_metadata
-from ckptd.daemon.segments import StreamBuffer
+from ckptd.daemon.segments import Segment, StreamBuffer
 from ckptd.daemon.staging import StagingPool
 from ckptd.errors import CheckpointNotFoundError, DaemonUnavailableError, StagingError
 from ckptd.format import paths
@@ -91,7 +92,8 @@ def _status(rec: SaveRecord) -> pb.SaveStatus:
 
 class Servicer(pb_grpc.CheckpointServiceServicer):
     def __init__(self, pool: StagingPool, pipeline: WritePipeline, storage: StorageBackend, *,
-                 local: bool, fd_socket: str, read_pool: Any, max_message_bytes: int) -> None:
+                 local: bool, fd_socket: str, read_pool: Any, max_message_bytes: int,
+                 test_read_gate: str | None = None) -> None:
         self.pool = pool
         self.pipeline = pipeline
         self.storage = storage
@@ -100,6 +102,7 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         self.read_pool = read_pool
         self.max_message_bytes = max_message_bytes
         self.plans = validate.PlanCache()
+        self.test_read_gate = test_read_gate
 
     def _accepting(self) -> None:
         if not self.pipeline.accepting:
@@ -138,7 +141,8 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         timeout = ACQUIRE_WAIT_CAP if remaining is None else max(0.0, min(ACQUIRE_WAIT_CAP,
                                                                           remaining - 0.5))
         slot = await self.pool.acquire(s, request.nbytes, request.wait,
-                                       request.transfer == pb.TRANSFER_SHARED_MEMORY, timeout)
+                                       request.transfer == pb.TRANSFER_SHARED_MEMORY, timeout,
+                                       read=request.use == pb.SEGMENT_USE_READ)
         return pb.AcquireStagingResponse(segment_id=slot.id, size=slot.size)
 
     @_unary
@@ -322,8 +326,70 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
             except FileNotFoundError:
                 raise CheckpointNotFoundError(f"no object {key!r}") from None
             first = False
+            self.pool.metrics.bytes_read.labels("stream").inc(len(data))
             for off in range(0, len(data), STREAM_CHUNK_BYTES):
                 yield pb.ReadObjectResponse(data=data[off:off + STREAM_CHUNK_BYTES])
             if len(data) < hi - pos:
                 break
             pos = hi
+
+    @_unary
+    async def ReadIntoSegment(self, request: pb.ReadIntoSegmentRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ReadIntoSegmentResponse:
+        if not self.local:
+            raise RpcFailure("FAILED_PRECONDITION", StagingError,
+                             "ReadIntoSegment needs shared memory and is served only on the "
+                             "daemon's Unix socket; over TCP read with ReadObject")
+        session = self.pool.get(request.session_id)
+        slot = self.pool.begin_read(session, request.segment_id)
+        try:
+            seg = slot.segment
+            assert seg is not None
+            seg.check()
+            ranges = validate.read_ranges(session.job, request.ranges, seg.size)
+        except BaseException:
+            self.pool.end_read(slot)
+            raise
+        # Each range is read by a thread of the read pool.  The segment stays held until
+        # every thread that started has finished -- also when this call fails or is
+        # cancelled (the client died) -- so it is never unmapped under a writing thread.
+        loop = asyncio.get_running_loop()
+        left = len(ranges)
+        in_flight = self.pool.metrics.reads_in_flight
+        in_flight.inc(left)
+
+        def finished() -> None:
+            nonlocal left
+            left -= 1
+            in_flight.dec()
+            if left == 0:
+                self.pool.end_read(slot)
+
+        if not ranges:
+            self.pool.end_read(slot)
+        futures = []
+        for r in ranges:
+            cf = self.read_pool.submit(self._read_range, seg, r)
+            cf.add_done_callback(lambda _cf: loop.call_soon_threadsafe(finished))
+            futures.append(asyncio.wrap_future(cf))
+        return pb.ReadIntoSegmentResponse(nbytes=await asyncio.gather(*futures))
+
+    def _read_range(self, seg: Segment, r: validate.ReadSpec) -> int:
+        """Read one range into ``seg`` (a read-pool thread); -1 if the object is absent."""
+        if self.test_read_gate:
+            while not os.path.exists(self.test_read_gate):
+                time.sleep(0.01)
+        try:
+            if r.whole:
+                size = self.storage.size(r.key)
+                if size != r.length:
+                    return size
+            view = seg.write_view(r.offset, r.length)
+            try:
+                n = self.storage.get_into(r.key, view, r.start)
+            finally:
+                view.release()
+            self.pool.metrics.bytes_read.labels("shared_memory").inc(n)
+            return n
+        except FileNotFoundError:
+            return -1

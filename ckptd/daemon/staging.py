@@ -11,6 +11,13 @@ Lifecycle of a shared-memory segment (one client session, reused across saves)::
     ReleaseStaging / session closed: NEW or IDLE -> freed at once; LENT -> freed when the
     in-flight write gives it back (a segment a write still uses is never freed).
 
+A read segment (kind ``read``, AcquireStaging with SEGMENT_USE_READ) is never lent: it is
+NEW until fetched, then IDLE, and ReadIntoSegment calls write into it meanwhile.  Each
+range being read holds it (``Slot.readers``, :meth:`StagingPool.begin_read` /
+:meth:`StagingPool.end_read`); freeing it (ReleaseStaging, the session closing) while
+ranges are still being read only marks it ``doomed``, and the last reader frees it: the
+daemon never unmaps memory a read thread is writing.
+
 A session is alive while its fd-socket connection is open; the connection closing (the
 client exited or was killed) closes the session.  A stream reservation (remote clients)
 holds budget bytes from AcquireStaging until its SaveStream's bytes are durable, or
@@ -30,7 +37,7 @@ from ckptd.daemon.budget import ByteBudget
 from ckptd.daemon.config import MAX_SESSIONS
 from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.rpcerrors import REASON_SESSION_UNKNOWN, RpcFailure
-from ckptd.daemon.segments import Segment, StreamBuffer, segment_size
+from ckptd.daemon.segments import Segment, StreamBuffer, read_segment_size, segment_size
 from ckptd.errors import StagingError
 
 RESERVATION_TTL = 600.0
@@ -48,11 +55,13 @@ class Slot:
     id: str
     session: Session
     size: int
-    kind: str                      # "shm" or "stream"
+    kind: str                      # "shm" (save), "read" (ReadIntoSegment) or "stream"
     state: str = NEW
     segment: Segment | None = None
     stream: StreamBuffer | None = None
     created: float = field(default_factory=time.monotonic)
+    readers: int = 0               # ranges of ReadIntoSegment calls writing into it now
+    doomed: bool = False           # freed as soon as the last reader is done
 
 
 @dataclass(eq=False)
@@ -165,9 +174,13 @@ class StagingPool:
 
     # -- slots ---------------------------------------------------------------------------
     async def acquire(self, s: Session, nbytes: int, wait: bool, shm: bool,
-                      timeout: float | None) -> Slot:
+                      timeout: float | None, read: bool = False) -> Slot:
+        """A segment (``shm``; for ReadIntoSegment if ``read``) or a stream reservation."""
         if nbytes < 0:
             raise StagingError(f"nbytes must be >= 0, got {nbytes}")
+        if read and not shm:
+            raise StagingError("a read segment is shared memory: use transfer="
+                               "TRANSFER_SHARED_MEMORY with SEGMENT_USE_READ")
         if shm and not s.local:
             raise RpcFailure("FAILED_PRECONDITION", StagingError,
                              "shared-memory staging is only offered over the Unix socket; "
@@ -180,14 +193,16 @@ class StagingPool:
             raise StagingError(
                 f"session holds {len(s.slots)} staging segments already (at most "
                 f"{MAX_SEGMENTS_PER_SESSION}); release one first")
-        size = segment_size(nbytes) if shm else nbytes
+        size = (read_segment_size(nbytes) if read else segment_size(nbytes)) if shm else nbytes
         await self.budget.acquire(size, wait=wait, timeout=timeout)  # BackpressureError: busy
         self.metrics.staging_in_use.set(self.budget.in_use)
-        slot = Slot(secrets.token_hex(8), s, size, "shm" if shm else "stream")
+        slot = Slot(secrets.token_hex(8), s, size,
+                    ("read" if read else "shm") if shm else "stream")
         if shm:
             try:
                 slot.segment = await asyncio.get_running_loop().run_in_executor(
-                    None, Segment.create, slot.id, size, f"{s.job}-{s.rank}")
+                    None, Segment.create, slot.id, size,
+                    f"{s.job}-{s.rank}{'-read' if read else ''}", read)
             except BaseException:
                 self.budget.release(size)
                 self.metrics.staging_in_use.set(self.budget.in_use)
@@ -209,10 +224,32 @@ class StagingPool:
     def fetch(self, s: Session, slot_id: str) -> Segment:
         """The segment to send to its client (once)."""
         slot = self._slot(s, slot_id)
-        if slot.kind != "shm" or slot.state != NEW or slot.segment is None:
+        if slot.kind not in ("shm", "read") or slot.state != NEW or slot.segment is None:
             raise StagingError(f"segment {slot_id!r} was already fetched")
         slot.state = IDLE
         return slot.segment
+
+    def begin_read(self, s: Session, slot_id: str) -> Slot:
+        """Hold read segment ``slot_id`` of session ``s`` for one range that a read thread
+        will write into; pair with one :meth:`end_read`."""
+        slot = self._slot(s, slot_id)
+        if slot.kind != "read":
+            raise RpcFailure("FAILED_PRECONDITION", StagingError,
+                             f"segment {slot_id!r} is a {slot.kind} segment, not a read segment: "
+                             "acquire one with use=SEGMENT_USE_READ for ReadIntoSegment")
+        if slot.state != IDLE or slot.doomed or slot.segment is None:
+            now = "being released" if slot.doomed else slot.state
+            raise RpcFailure("FAILED_PRECONDITION", StagingError,
+                             f"read segment {slot_id!r} is {now}, expected idle: fetch it over "
+                             "the fd socket first")
+        slot.readers += 1
+        return slot
+
+    def end_read(self, slot: Slot) -> None:
+        """A read thread is done writing into ``slot``; frees it if it was released meanwhile."""
+        slot.readers -= 1
+        if slot.readers == 0 and slot.doomed:
+            self._free(slot)
 
     def release(self, s: Session, slot_id: str) -> None:
         slot = s.slots.get(slot_id)
@@ -247,6 +284,9 @@ class StagingPool:
 
     def _free(self, slot: Slot) -> None:
         if slot.state == FREED:
+            return
+        if slot.readers:
+            slot.doomed = True   # end_read frees it: a read thread still writes into it
             return
         slot.state = FREED
         slot.session.slots.pop(slot.id, None)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import json
 import math
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError, StagingError
@@ -210,3 +213,45 @@ def job_key(job: str, key: str, allow_job_root: bool = True) -> str:
         raise ConfigError(f"key {key!r} lies outside job {job!r}: a client may only read its "
                           "own job's objects")
     return check_key(key)
+
+
+MAX_READ_RANGES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSpec:
+    """One checked range of a ReadIntoSegment request."""
+
+    key: str
+    start: int
+    length: int
+    offset: int
+    whole: bool
+
+
+def read_ranges(job: str, ranges: Sequence[Any], segment_size: int) -> list[ReadSpec]:
+    """Check a ReadIntoSegment request's ranges (objects with ``key``, ``start``,
+    ``length``, ``offset``, ``whole``) for a read segment of ``segment_size`` bytes: keys
+    below ``job``, every range inside the segment, no two overlapping."""
+    if len(ranges) > MAX_READ_RANGES:
+        raise StagingError(f"ReadIntoSegment names {len(ranges)} ranges, at most "
+                           f"{MAX_READ_RANGES} are allowed per call; split the batch")
+    out = []
+    for i, r in enumerate(ranges):
+        key = job_key(job, r.key, allow_job_root=False)
+        if r.whole and r.start != 0:
+            raise StagingError(f"range {i} ({key}): a whole-object read must start at 0, "
+                               f"got start {r.start}")
+        if r.offset + r.length > segment_size:
+            raise StagingError(
+                f"range {i} ({key}): segment bytes [{r.offset}, {r.offset + r.length}) lie "
+                f"outside the read segment of {segment_size} bytes; every range must fit "
+                "offset + length <= the segment's size")
+        out.append(ReadSpec(key, int(r.start), int(r.length), int(r.offset), bool(r.whole)))
+    spans = sorted((r.offset, r.offset + r.length, i) for i, r in enumerate(out) if r.length)
+    for (lo_a, hi_a, a), (lo_b, _hi_b, b) in itertools.pairwise(spans):
+        if lo_b < hi_a:
+            raise StagingError(
+                f"ranges {a} and {b} overlap in the read segment (bytes [{lo_a}, {hi_a}) and "
+                f"from {lo_b}); give each range its own bytes of the segment")
+    return out

@@ -13,6 +13,11 @@ class Transfer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_SHARED_MEMORY: _ClassVar[Transfer]
     TRANSFER_STREAM: _ClassVar[Transfer]
 
+class SegmentUse(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEGMENT_USE_SAVE: _ClassVar[SegmentUse]
+    SEGMENT_USE_READ: _ClassVar[SegmentUse]
+
 class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SAVE_STATE_UNSPECIFIED: _ClassVar[SaveState]
@@ -23,6 +28,8 @@ class SaveState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TRANSFER_UNSPECIFIED: Transfer
 TRANSFER_SHARED_MEMORY: Transfer
 TRANSFER_STREAM: Transfer
+SEGMENT_USE_SAVE: SegmentUse
+SEGMENT_USE_READ: SegmentUse
 SAVE_STATE_UNSPECIFIED: SaveState
 SAVE_STATE_ACCEPTED: SaveState
 SAVE_STATE_WRITTEN: SaveState
@@ -62,16 +69,18 @@ class RegisterRankResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., fd_socket: _Optional[str] = ..., staging_budget_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., daemon_version: _Optional[str] = ..., storage_url: _Optional[str] = ...) -> None: ...
 
 class AcquireStagingRequest(_message.Message):
-    __slots__ = ("session_id", "nbytes", "wait", "transfer")
+    __slots__ = ("session_id", "nbytes", "wait", "transfer", "use")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    USE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     nbytes: int
     wait: bool
     transfer: Transfer
-    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., wait: _Optional[bool] = ..., transfer: _Optional[_Union[Transfer, str]] = ...) -> None: ...
+    use: SegmentUse
+    def __init__(self, session_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., wait: _Optional[bool] = ..., transfer: _Optional[_Union[Transfer, str]] = ..., use: _Optional[_Union[SegmentUse, str]] = ...) -> None: ...
 
 class AcquireStagingResponse(_message.Message):
     __slots__ = ("segment_id", "size")
@@ -261,3 +270,33 @@ class ReadObjectResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ReadRange(_message.Message):
+    __slots__ = ("key", "start", "length", "offset", "whole")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    start: int
+    length: int
+    offset: int
+    whole: bool
+    def __init__(self, key: _Optional[str] = ..., start: _Optional[int] = ..., length: _Optional[int] = ..., offset: _Optional[int] = ..., whole: _Optional[bool] = ...) -> None: ...
+
+class ReadIntoSegmentRequest(_message.Message):
+    __slots__ = ("session_id", "segment_id", "ranges")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    segment_id: str
+    ranges: _containers.RepeatedCompositeFieldContainer[ReadRange]
+    def __init__(self, session_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[ReadRange, _Mapping]]] = ...) -> None: ...
+
+class ReadIntoSegmentResponse(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, nbytes: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class CheckpointServiceStub:
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReadObjectRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReadObjectResponse.FromString,
                 _registered_method=True)
+        self.ReadIntoSegment = channel.unary_unary(
+                '/ckptd.v1.CheckpointService/ReadIntoSegment',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentResponse.FromString,
+                _registered_method=True)
 
 
 class CheckpointServiceServicer:
@@ -114,6 +119,9 @@ class CheckpointServiceServicer:
         saves.  Requires the session's fd connection.
         transfer=STREAM: a reservation consumed by one SaveStream (remote clients); expires after
         10 minutes unused.
+        use=SEGMENT_USE_READ (shared memory only): a segment for ReadIntoSegment instead of Save; the
+        daemon maps it writable, never lends it to a save, and sizes it to nbytes rounded up to
+        1 MiB.  The client releases it when its load is done (or it is reclaimed with the session).
         wait=false fails at once with RESOURCE_EXHAUSTED (BackpressureError) when the budget is in
         use; wait=true waits until the bytes are free or the deadline passes (DEADLINE_EXCEEDED).
         Deadline: 30 s with wait=false; the caller's backpressure wait (up to 5 min, repeated)
@@ -216,6 +224,26 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadIntoSegment(self, request, context):
+        """ReadIntoSegment: the load path for local clients.  The daemon reads byte ranges of objects
+        below the session's job straight into a SEGMENT_USE_READ segment of that session (its own
+        writable mapping of the sealed memfd the client mapped), with the ranges read in parallel,
+        and returns once the bytes are there; no object bytes travel in gRPC messages.  Served only
+        on the Unix socket (remote clients use ReadObject).  Every range is checked before
+        anything is read: key below the session's job and safe, offset + length inside the segment,
+        ranges not overlapping, at most 4096 ranges.  A missing object fails only its range (-1 in
+        the response), not the call.  Deadline 10 min.  Idempotent (a repeated call writes the
+        same bytes to the same places).
+        INVALID_ARGUMENT: key outside the job or unsafe (ConfigError); range outside the segment,
+        overlapping ranges, too many ranges, whole with start != 0 (StagingError).
+        NOT_FOUND: unknown session, or the segment is not this session's.
+        FAILED_PRECONDITION: not a read segment, not fetched yet, being released, or the call came
+        over TCP.  INTERNAL / PERMISSION_DENIED: storage errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CheckpointServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -273,6 +301,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.ReadObject,
                     request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReadObjectRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReadObjectResponse.SerializeToString,
+            ),
+            'ReadIntoSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadIntoSegment,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +605,33 @@ class CheckpointService:
             '/ckptd.v1.CheckpointService/ReadObject',
             ckptd_dot_v1_dot_ckptd__pb2.ReadObjectRequest.SerializeToString,
             ckptd_dot_v1_dot_ckptd__pb2.ReadObjectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadIntoSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.CheckpointService/ReadIntoSegment',
+            ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.ReadIntoSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

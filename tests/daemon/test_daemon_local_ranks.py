@@ -51,3 +51,54 @@ def test_local_ranks_counts_ranks_of_the_job_holding_segments():
     assert pool.local_ranks("job", 8) == 0          # another world size: another run
     sessions[1].closed = True
     assert pool.local_ranks("job", 4) == 1
+
+
+def test_read_segment_is_never_freed_under_a_reading_thread():
+    """A read segment released (or its session closed) while ranges are being read into it
+    stays mapped and charged until the last range is done; save segments cannot be read
+    into, read segments cannot be lent to a save."""
+    from ckptd.daemon.rpcerrors import RpcFailure
+    from ckptd.errors import StagingError
+
+    async def main():
+        budget = ByteBudget(64 << 20)
+        pool = StagingPool(budget, Metrics())
+        s = pool.register("job", 0, 1, local=True)
+        s.attached = True
+        slot = await pool.acquire(s, 3 << 20, wait=False, shm=True, timeout=None, read=True)
+        assert slot.kind == "read" and slot.size == 3 << 20 and budget.in_use == 3 << 20
+        assert slot.segment is not None and slot.segment.writable
+        try:
+            pool.begin_read(s, slot.id)
+            raise AssertionError("a read segment must be fetched before it is read into")
+        except RpcFailure as exc:
+            assert exc.code == "FAILED_PRECONDITION"
+        seg = pool.fetch(s, slot.id)
+        try:
+            pool.lend(s, slot.id, "shm")
+            raise AssertionError("a read segment must not be lent to a save")
+        except StagingError:
+            pass
+        held = pool.begin_read(s, slot.id)
+        pool.begin_read(s, slot.id)
+        pool.close_session(s, "test")            # the client died mid-load
+        assert held.doomed and seg.mm is not None and budget.in_use == 3 << 20
+        seg.write_view(0, 4)[:] = b"abcd"         # the reading thread may still write
+        pool.end_read(held)
+        assert seg.mm is not None                 # one range still being read
+        pool.end_read(held)
+        assert seg.mm is None and budget.in_use == 0 and held.state == "freed"
+        # a save segment is mapped read-only in the daemon: never a read target
+        s2 = pool.register("job", 0, 1, local=True)
+        s2.attached = True
+        save = await pool.acquire(s2, 1 << 20, wait=False, shm=True, timeout=None)
+        pool.fetch(s2, save.id)
+        try:
+            pool.begin_read(s2, save.id)
+            raise AssertionError("a save segment must not be read into")
+        except RpcFailure as exc:
+            assert exc.code == "FAILED_PRECONDITION" and "not a read segment" in str(exc)
+        pool.release(s2, save.id)
+        assert budget.in_use == 0
+
+    asyncio.run(main())

@@ -110,3 +110,28 @@ def test_plan_cache_reuses_a_check_only_for_the_same_bytes_and_size():
     cache.plan(json.dumps(real_plan()[0], indent=1).encode(), n)  # other bytes: a miss
     assert len(cache) == 2 and cache.misses == 3
     assert cache.plan(data, n) is not p and cache.misses == 4
+
+
+def _rr(key: str = "job/1/a/c/0", start: int = 0, length: int = 16, offset: int = 0,
+        whole: bool = False) -> validate.ReadSpec:
+    return validate.ReadSpec(key, start, length, offset, whole)
+
+
+def test_read_ranges_inside_the_segment_below_the_job_and_disjoint():
+    ok = validate.read_ranges("job", [_rr(offset=0), _rr(offset=16, whole=True),
+                                      _rr(offset=1008, length=16), _rr(length=0, offset=1024)],
+                              1024)
+    assert [r.offset for r in ok] == [0, 16, 1008, 1024]
+    with pytest.raises(StagingError, match=r"\[1020, 1036\) lie outside"):
+        validate.read_ranges("job", [_rr(offset=1020)], 1024)
+    with pytest.raises(StagingError, match="outside"):
+        validate.read_ranges("job", [_rr(offset=0, length=1 << 63)], 1024)
+    with pytest.raises(StagingError, match="ranges 0 and 1 overlap"):
+        validate.read_ranges("job", [_rr(offset=0), _rr(offset=15)], 1024)
+    with pytest.raises(StagingError, match="must start at 0"):
+        validate.read_ranges("job", [_rr(start=4, whole=True)], 1024)
+    with pytest.raises(StagingError, match="at most 4096"):
+        validate.read_ranges("job", [_rr(offset=0, length=0)] * 4097, 1024)
+    for key in ("other/1", "job", "job/../other/x", "/job/1"):
+        with pytest.raises(ConfigError):
+            validate.read_ranges("job", [_rr(key=key)], 1024)
