@@ -5,16 +5,26 @@ that overlap it, fetches the chunks (whole chunks, so the checksum can be verifi
 bounded concurrency and a bounded window of bytes in flight, verifies crc32c, and copies
 the overlapping parts into the target.  Save and load layouts may differ arbitrarily:
 this is load-time resharding.
+
+A storage backend may offer a :class:`ReadWindow` (``read_window(capacity)``; the ckptd
+daemon's client does, backed by a shared-memory segment the daemon reads objects into).
+The reader then reserves room in the window for each fetch in fetch order, hands batches of
+fetches to the backend (one call per batch, several batches in flight) and works on views
+into the window, releasing each fetch's room once every copy from it is done.  A fetch
+that cannot get room (larger than the window, or the window is full with nothing in
+flight) goes through ``storage.get`` as without a window.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 
@@ -36,6 +46,8 @@ from ckptd.storage.base import StorageBackend
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
+WINDOW_MIN = 32 << 20   # a read window of at least this (or the whole load, if smaller)
+
 
 def _slices(region: Region, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - g, o - g + s) for o, g, s in zip(region.offsets, origin,
@@ -54,6 +66,52 @@ class _Fetch:
     what: str
 
 
+@dataclass(frozen=True, slots=True)
+class WindowRead:
+    """One range to read into a :class:`ReadWindow`: bytes ``[start, start + nbytes)`` of
+    ``key`` into the window at ``offset``; ``whole``: the object must be exactly ``nbytes``
+    bytes (``start`` is 0)."""
+
+    key: str
+    start: int
+    nbytes: int
+    offset: int
+    whole: bool
+
+
+class ReadWindow(abc.ABC):
+    """A bounded buffer a storage backend reads byte ranges into and lends to the reader.
+
+    Obtained from a backend's optional ``read_window(capacity)`` (None when it has none
+    to offer now).  Order of calls, for one :class:`CheckpointReader`: ``reserve`` and
+    ``release`` from the reader's scheduling thread only; ``fill`` from its pool threads,
+    for ranges reserved and not yet released (several at once); ``close`` once, after the
+    last ``fill`` returned.
+    """
+
+    capacity: int
+    max_batch_bytes: int     # a batch (one ``fill``) holds at most this many bytes ...
+    max_batch_items: int     # ... and this many ranges
+
+    @abc.abstractmethod
+    def reserve(self, nbytes: int) -> int | None:
+        """Offset of ``nbytes`` free bytes of the window, now theirs; None if there is no
+        such room now (never blocks)."""
+
+    @abc.abstractmethod
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give back what ``reserve`` returned; views into it must no longer be used."""
+
+    @abc.abstractmethod
+    def fill(self, reads: Sequence[WindowRead]) -> list[memoryview | int | None]:
+        """Read each range; per range, in order: a view of the bytes read (shorter than
+        asked if the object ended first), the object's size if a ``whole`` read found
+        another size (nothing read), or None if the object does not exist."""
+
+    def close(self) -> None:
+        """Give the window back.  Idempotent."""
+
+
 class CheckpointReader:
     """Reads from the committed attempt described by ``index`` under ``prefix``.
 
@@ -70,6 +128,34 @@ class CheckpointReader:
         self.concurrency = concurrency
         self.max_inflight = max_inflight_bytes
         self.verify = verify
+        self._window: ReadWindow | None = None
+        self._window_tried = False
+
+    def close(self) -> None:
+        """Give back the storage's read window, if one was used.  Idempotent; the reader
+        opens a new one if it is used again."""
+        w, self._window, self._window_tried = self._window, None, False
+        if w is not None:
+            w.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open_window(self, order: Sequence[_Fetch]) -> ReadWindow | None:
+        """The storage's read window (opened once per reader), sized for ``order``: twice
+        its largest fetch, at least min(its total, 32 MiB), at most ``max_inflight_bytes``."""
+        if self._window is None and not self._window_tried and order:
+            opener: Any = getattr(self.storage, "read_window", None)
+            if opener is not None:
+                self._window_tried = True
+                largest = max(f.nbytes for f in order)
+                total = sum(f.nbytes for f in order)
+                want = min(self.max_inflight, max(2 * largest, min(total, WINDOW_MIN)))
+                self._window = opener(max(1, want))
+        return self._window
 
     # -- fetch planning ------------------------------------------------------------------
     def _chunk_fetch(self, array: str, coords: tuple[int, ...]) -> _Fetch:
@@ -99,14 +185,41 @@ class CheckpointReader:
         try:
             data = self.storage.get(f.key, f.start, f.end)
         except FileNotFoundError:
+            data = None
+        return self._checked(f, data)
+
+    def _fill(self, window: ReadWindow, batch: list[tuple[_Fetch, int]],
+              outs: list[Future]) -> None:
+        """Read ``batch`` (fetches with their window offsets) into the window (a pool
+        thread); resolves ``outs`` in order."""
+        try:
+            got = window.fill([
+                WindowRead(f.key, f.start or 0, f.nbytes, off, f.start is None and f.end is None)
+                for f, off in batch])
+        except BaseException as exc:  # noqa: BLE001 - every fetch of the batch fails with it
+            for out in outs:
+                out.set_exception(exc)
+            return
+        for (f, _), data, out in zip(batch, got, outs):
+            try:
+                out.set_result(self._checked(f, data))
+            except BaseException as exc:  # noqa: BLE001 - raised where the fetch is used
+                out.set_exception(exc)
+
+    def _checked(self, f: _Fetch, data: bytes | memoryview | int | None) -> memoryview:
+        """The bytes of ``f`` (None: the object is absent; an int: its size, not read),
+        checked for length and checksum."""
+        if data is None:
             raise CorruptCheckpointError(
                 f"{f.what} is missing from storage ({f.key}); the checkpoint is damaged. Run "
                 "`ckptd verify` and load an earlier step."
-            ) from None
-        if len(data) != f.nbytes:
+            )
+        found = data if isinstance(data, int) else len(data)
+        if isinstance(data, int) or found != f.nbytes:
+            what = "is truncated" if found < f.nbytes else "is larger than recorded"
             raise CorruptCheckpointError(
-                f"{f.what}: expected {f.nbytes} bytes, found {len(data)} ({f.key}); the object "
-                "is truncated. Load an earlier step."
+                f"{f.what}: expected {f.nbytes} bytes, found {found} ({f.key}); the object "
+                f"{what}. Load an earlier step."
             )
         if self.verify:
             got = crc32c(data)
@@ -229,33 +342,71 @@ class CheckpointReader:
         done: dict[_Fetch, memoryview] = {}
         nxt = 0
         inflight = 0
-        with ThreadPoolExecutor(max_workers=self.concurrency,
-                                thread_name_prefix="ckptd-read") as pool:
-            def pump() -> None:
-                nonlocal nxt, inflight
-                while nxt < len(order) and (inflight < self.max_inflight or not pending):
+        window = self._open_window(order)
+        room: dict[_Fetch, tuple[int, int]] = {}   # window offset and size held per fetch
+
+        def pump() -> None:
+            """Submit fetches in order while the in-flight bytes allow: batches into the
+            window while it has room, else (nothing in flight, or too large for the
+            window) one fetch through ``storage.get``."""
+            nonlocal nxt, inflight
+            while nxt < len(order) and (inflight < self.max_inflight or not pending):
+                batch: list[tuple[_Fetch, int]] = []
+                size = 0
+                while window is not None and nxt < len(order) and (
+                        len(batch) < window.max_batch_items):
                     f = order[nxt]
-                    pending[f] = pool.submit(self._fetch, f)
+                    if batch and (size + f.nbytes > window.max_batch_bytes
+                                  or inflight >= self.max_inflight):
+                        break
+                    off = window.reserve(f.nbytes)
+                    if off is None:
+                        break
+                    room[f] = (off, f.nbytes)
+                    batch.append((f, off))
+                    size += f.nbytes
                     inflight += f.nbytes
                     nxt += 1
+                if batch:
+                    assert window is not None
+                    outs: list[Future] = [Future() for _ in batch]
+                    pending.update((f, out) for (f, _), out in zip(batch, outs))
+                    pool.submit(self._fill, window, batch, outs)
+                    continue
+                if window is not None and pending and order[nxt].nbytes <= window.capacity:
+                    return  # room comes back as the fetches in flight are used
+                f = order[nxt]
+                pending[f] = pool.submit(self._fetch, f)
+                inflight += f.nbytes
+                nxt += 1
 
-            for tg, want, dst, ops in work:
-                t = self.tensor(tg.name)
-                dtype = dtype_from_name(t.dtype)
-                for f, spec in ops:
-                    if f not in done:
-                        while f not in pending:
-                            pump()
-                            if f not in pending and nxt >= len(order):
-                                raise AssertionError("fetch scheduling bug")
-                        done[f] = pending.pop(f).result()
-                    self._apply(spec, done[f], dst, want, dtype, t.shape)
-                    fetches[f] -= 1
-                    if fetches[f] == 0:
-                        inflight -= f.nbytes
-                        del done[f]
-                    pump()
-                _finish_target(tg, want, dst, t)
+        try:
+            with ThreadPoolExecutor(max_workers=self.concurrency,
+                                    thread_name_prefix="ckptd-read") as pool:
+                for tg, want, dst, ops in work:
+                    t = self.tensor(tg.name)
+                    dtype = dtype_from_name(t.dtype)
+                    for f, spec in ops:
+                        if f not in done:
+                            while f not in pending:
+                                pump()
+                                if f not in pending and nxt >= len(order):
+                                    raise AssertionError("fetch scheduling bug")
+                            done[f] = pending.pop(f).result()
+                        self._apply(spec, done[f], dst, want, dtype, t.shape)
+                        fetches[f] -= 1
+                        if fetches[f] == 0:
+                            inflight -= f.nbytes
+                            del done[f]
+                            held = room.pop(f, None)
+                            if held is not None and window is not None:
+                                window.release(*held)
+                        pump()
+                    _finish_target(tg, want, dst, t)
+        finally:  # the pool has finished every fill: give back what is still held
+            if window is not None:
+                for held in room.values():
+                    window.release(*held)
 
 
 def _bounding_rows(inter: Region, shape: tuple[int, ...]) -> Region:

@@ -484,19 +484,19 @@ class CheckpointClient:
                                and available[n].shape != expected[n].shape}
         targets = [t for t in plan.targets if t.name not in skip]
         prefix = paths.attempt_prefix(rec.job, rec.step, rec.attempt)
-        reader = CheckpointReader(storage, index, prefix)
-        reader.read_targets(targets)
-        plan.finish(saved_groups)
+        with CheckpointReader(storage, index, prefix) as reader:  # closing frees its window
+            reader.read_targets(targets)
+            plan.finish(saved_groups)
 
-        mine = self.rank if self.rank in index.extras else 0
-        doc = index.extras.get(mine) or {}
+            mine = self.rank if self.rank in index.extras else 0
+            doc = index.extras.get(mine) or {}
 
-        def tensor_of(rank: int) -> Any:
-            return lambda i: reader.read_region(f"{EXTRA_PREFIX}{rank}/{i}")
+            def tensor_of(rank: int) -> Any:
+                return lambda i: reader.read_region(f"{EXTRA_PREFIX}{rank}/{i}")
 
-        user = extra_state.decode(doc.get("user"), tensor_of(mine))
-        if restore_rng and self.rank in index.extras and doc.get("rng") is not None:
-            extra_state.restore_rng(extra_state.decode(doc["rng"], tensor_of(mine)))
+            user = extra_state.decode(doc.get("user"), tensor_of(mine))
+            if restore_rng and self.rank in index.extras and doc.get("rng") is not None:
+                extra_state.restore_rng(extra_state.decode(doc["rng"], tensor_of(mine)))
         self._counters.next_step = rec.step + 1
         return CheckpointInfo(rec.job, rec.step, rec.attempt, rec.world_size, index.framework,
                               storage.url, index.total_bytes, user, tuple(missing),

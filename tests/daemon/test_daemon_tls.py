@@ -62,6 +62,8 @@ def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypat
     assert client.load(m2, optimizer=opt2).extra == {"k": 1}
     for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
         assert torch.equal(a, b)
+    read = client._transport.storage().read_bytes   # no shared memory over TCP: streamed
+    assert read["shared_memory"] == 0 and read["stream"] > 0
     client.close()
 
     with pytest.raises(AuthenticationError, match="wrong bearer token"):
@@ -81,5 +83,15 @@ def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypat
                 list(r)
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert error_class(ei.value) == "AuthenticationError"
+    # with the token: reading into shared memory is refused over TCP (remote clients stream)
+    md = (("authorization", f"Bearer {token}"),)
+    session = stub.RegisterRank(pb.RegisterRankRequest(job="remote", rank=0, world_size=1),
+                                timeout=10, metadata=md)
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.ReadIntoSegment(pb.ReadIntoSegmentRequest(
+            session_id=session.session_id, segment_id="x",
+            ranges=[pb.ReadRange(key="remote/x", length=4)]), timeout=10, metadata=md)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "Unix socket" in ei.value.details()
     channel.close()
     assert check_health("unix:" + d.socket) == "SERVING"
