@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import errno
 import os
+import resource
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
@@ -130,6 +131,28 @@ class FsspecBackend(StorageBackend):
             pass
 
 
+def _local_write_hint(exc: OSError, data: Buffer | Sequence[Buffer]) -> str | None:
+    """What went wrong and what to do, for the write errors a full or limited disk gives;
+    None for other errors."""
+    if exc.errno == errno.ENOSPC:
+        return ("no space left on the device. Free space or remove old checkpoints with "
+                "`ckptd gc`.")
+    if exc.errno == errno.EDQUOT:
+        return ("the disk quota of this user (or group/project) on that filesystem is "
+                "exceeded. Free space within the quota (remove old checkpoints with `ckptd gc`) "
+                "or ask for a larger quota (`quota -s` shows it).")
+    if exc.errno == errno.EFBIG:
+        size = sum(memoryview(part).nbytes for part in _as_list(data))
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return (f"the object is {size} bytes but this process may write files of at most "
+                    f"{limit} bytes (RLIMIT_FSIZE, `ulimit -f`). Raise the limit (`ulimit -f "
+                    "unlimited` where the training job or the daemon is launched).")
+        return (f"the object is {size} bytes, more than the filesystem allows in one file. "
+                "Store checkpoints on a filesystem that allows larger files.")
+    return None
+
+
 class LocalBackend(FsspecBackend):
     """A local (or network-mounted POSIX) directory.
 
@@ -204,11 +227,9 @@ class LocalBackend(FsspecBackend):
             raise
         except OSError as exc:
             _unlink_quiet(tmp)
-            if exc.errno == errno.ENOSPC:
-                raise StorageError(
-                    f"writing {key} in {self.url}: no space left on the device. Free space or "
-                    "remove old checkpoints with `ckptd gc`."
-                ) from exc
+            hint = _local_write_hint(exc, data)
+            if hint is not None:
+                raise StorageError(f"writing {key} in {self.url}: {hint}") from exc
             raise self._translate(exc, f"writing {key}") from exc
 
     def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:

@@ -9,9 +9,13 @@ counts under throttling, against a tiny in-process fake endpoint.  No timed asse
 from __future__ import annotations
 
 import array
+import errno
 import http.server
 import itertools
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import urllib.parse
@@ -376,6 +380,45 @@ class TestLocalBackend(StorageConformance):
         assert "writing job/step/rank0" in str(info.value)
         assert isinstance(info.value.__cause__, NotADirectoryError)  # not the temp cleanup's
         assert backend.get("job/keep") == b"earlier"
+
+    @pytest.mark.parametrize("code, what", [
+        (errno.ENOSPC, "no space left on the device. Free space or remove old checkpoints"),
+        (errno.EDQUOT, ("the disk quota of this user .* exceeded. Free space within the quota "
+                        r"\(remove old checkpoints with `ckptd gc`\) or ask for a larger quota")),
+    ], ids=["ENOSPC", "EDQUOT"])
+    def test_a_full_disk_or_quota_says_what_to_do(
+        self, backend: LocalBackend, monkeypatch: pytest.MonkeyPatch, code: int, what: str
+    ) -> None:
+        backend.put("job/keep", b"earlier")
+
+        def full(fd: int, data: Any) -> int:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, "write", full)
+        with pytest.raises(StorageError, match=f"writing job/new in file://.*: {what}") as info:
+            backend.put("job/new", b"data")
+        assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+        monkeypatch.undo()
+        assert os.listdir(os.path.join(backend.root, "job")) == ["keep"]  # no temp file left
+
+    def test_a_file_size_limit_names_the_limit_and_what_to_do(self, tmp_path: Any) -> None:
+        """A real RLIMIT_FSIZE (in a child process: the limit is per process)."""
+        script = textwrap.dedent(f"""
+            import resource
+            from ckptd.errors import StorageError
+            from ckptd.storage import LocalBackend
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+            try:
+                LocalBackend({str(tmp_path)!r}).put("job/big", [b"x" * 600, b"y" * 600])
+            except StorageError as exc:
+                print(exc)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             check=True).stdout
+        assert "writing job/big in file://" in out, out
+        assert ("the object is 1200 bytes but this process may write files of at most 1000 "
+                "bytes (RLIMIT_FSIZE, `ulimit -f`). Raise the limit") in out, out
+        assert os.listdir(os.path.join(tmp_path, "job")) == []  # no temp file left
 
     def test_open_storage_paths(self, tmp_path: Any) -> None:
         assert isinstance(open_storage(str(tmp_path)), LocalBackend)
