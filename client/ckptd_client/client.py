@@ -270,6 +270,7 @@ class CheckpointClient:
         phases = self.last_phases = {}
         t0 = time.perf_counter()
         items, groups, doc, framework = self._collect(model, optimizer, extra)
+        _check_not_meta(items, step)
         t1 = time.perf_counter()
         plan = self._plan(items)
         t2 = time.perf_counter()
@@ -513,6 +514,23 @@ class CheckpointClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _check_not_meta(items: list[SaveItem], step: int) -> None:
+    """Refuse tensors without data (meta device) before anything is staged."""
+    meta = [it for it in items if getattr(it.local, "is_meta", False)]
+    if not meta:
+        return
+    names = [it.views[0].name if it.views else it.name for it in meta]
+    which = f"{names[0]!r} and {len(names) - 1} more tensors are" if len(names) > 1 else (
+        f"{names[0]!r} is")
+    raise ConfigError(
+        f"cannot save step {step}: {which} on the meta device (a tensor without "
+        "data, e.g. a model built under `torch.device('meta')` for deferred initialization); "
+        "ckptd saves real values only. Materialize the model first: `model.to_empty(device=...)`, "
+        "then initialize its parameters (e.g. `reset_parameters()`) or load a checkpoint into "
+        "it, then save."
+    )
 
 
 def _chain(src: Future, dst: Future) -> None:

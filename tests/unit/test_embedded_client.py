@@ -570,3 +570,23 @@ def test_saving_with_a_closed_client_says_so(tmp_path):
     with pytest.raises(ConfigError, match="closed CheckpointClient"):
         c.save_async(model, step=2)
     assert c.list_steps() == [1]
+
+
+def test_saving_a_model_on_the_meta_device_names_the_tensor_and_what_to_do(tmp_path):
+    """A model built under torch.device("meta") (deferred init) has no data: the save says
+    which tensor and how to materialize it, before anything is staged or written."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    c = CheckpointClient("meta", storage=_uri(tmp_path))
+    with pytest.raises(ConfigError, match=r"cannot save step 1: 'model/0.weight' and 6 more tensors "
+                                          r"are on the meta device.*`model.to_empty\(device=...\)`"):
+        c.save_async(model, step=1)
+    assert c.list_steps() == []
+    model.to_empty(device="cpu")
+    for m in model:
+        m.reset_parameters()
+    c.save(model, step=1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    c.load(fresh)
+    _equal(fresh, model)
+    c.close()
