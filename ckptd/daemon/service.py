@@ -368,10 +368,15 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         if not ranges:
             self.pool.end_read(slot)
         futures = []
-        for r in ranges:
-            cf = self.read_pool.submit(self._read_range, seg, r)
-            cf.add_done_callback(lambda _cf: loop.call_soon_threadsafe(finished))
-            futures.append(asyncio.wrap_future(cf))
+        try:
+            for r in ranges:
+                cf = self.read_pool.submit(self._read_range, seg, r)
+                cf.add_done_callback(lambda _cf: loop.call_soon_threadsafe(finished))
+                futures.append(asyncio.wrap_future(cf))
+        except BaseException:  # e.g. the pool is shut down: ranges never started are done
+            for _ in range(len(ranges) - len(futures)):
+                finished()
+            raise
         return pb.ReadIntoSegmentResponse(nbytes=await asyncio.gather(*futures))
 
     def _read_range(self, seg: Segment, r: validate.ReadSpec) -> int:
