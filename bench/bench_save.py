@@ -3,6 +3,8 @@ process group).
 
     python bench/bench_save.py                       # 2 ranks, FSDP2 + AdamW, >= 0.25 GB/rank
     python bench/bench_save.py --dim 1024 --layers 4 --reps 3   # smaller and quicker
+    python bench/bench_save.py --load                # loads instead: daemon (shared memory,
+                                                     # stream) vs embedded
 
 The launcher starts a real ``ckptd serve`` (file:// storage under --root), spawns
 ``--world`` gloo ranks (FSDP2, AdamW), and in that one process group times, per rank and
@@ -29,6 +31,13 @@ with ``dd if=/dev/zero of=F bs=64M count=N conv=fsync`` of the same size on the 
 right after each measured save (the disk's speed drifts a lot on shared VMs, so the ratio is
 taken per repetition, then the median).
 The daemon's peak RSS (VmHWM) is compared with its staging budget.
+
+``--load`` measures ``client.load(model, optimizer=opt)`` of one checkpoint saved through
+the daemon instead, per rank and repetition (interleaved; medians of the slowest rank):
+``load-shm`` through the daemon with its shared-memory read path, ``load-stream`` through the
+daemon with ``CKPTD_SHM_READS=0`` (the ReadObject gRPC stream, as remote clients read), and
+``load-embedded`` reading the files directly (``storage=file://...``).  The objects are in
+the page cache for all three (they were just written).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VARIANTS = ("floor", "dcp", "dcp-reuse", "ckptd-copy", "ckptd-overlap")
+LOAD_VARIANTS = ("load-shm", "load-stream", "load-embedded")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="daemon staging budget (default: 2 segments per rank, rounded)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--load", action="store_true",
+                   help="measure loads (daemon shared memory / daemon stream / embedded) "
+                        "instead of saves")
     p.add_argument("--phases", action="store_true",
                    help="also print where ckptd-copy's stall goes (client phases per rank, "
                         "the daemon's Save handler from its debug log)")
@@ -141,6 +154,15 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
     client = CheckpointClient("bench", daemon=address)
     results: dict[str, dict[str, list[float]]] = {}
     step = 0
+    if args.load:
+        _measure_loads(rank, args, client, model, opt, nbytes, root, results)
+        client.close()
+        reuse_stager.close()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"nbytes": nbytes, "results": results}, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
 
     def dcp_state() -> dict[str, Any]:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -211,6 +233,57 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
     dist.destroy_process_group()
 
 
+def _measure_loads(rank: int, args: argparse.Namespace, client: Any, model: torch.nn.Module,
+                   opt: torch.optim.Optimizer, nbytes: int, root: str,
+                   results: dict[str, dict[str, Any]]) -> None:
+    """Save once through the daemon, then time loads of it by each LOAD_VARIANTS path."""
+    from ckptd_client import CheckpointClient
+
+    client.save(model, optimizer=opt, step=1, timeout=600)
+    embedded = CheckpointClient("bench", storage=f"file://{root}/store")
+    storage = client._transport.storage()
+    for i in range(args.warmup + args.reps):
+        for variant in LOAD_VARIANTS:
+            res = results.setdefault(variant, {"load": [], "shm_bytes": [], "stream_bytes": []})
+            os.environ["CKPTD_SHM_READS"] = "0" if variant == "load-stream" else "1"
+            before = dict(storage.read_bytes)
+            dist.barrier()
+            t0 = time.perf_counter()
+            (embedded if variant == "load-embedded" else client).load(model, optimizer=opt)
+            dt = time.perf_counter() - t0
+            dist.barrier()
+            if i >= args.warmup:
+                res["load"].append(dt)
+                res["shm_bytes"].append(storage.read_bytes["shared_memory"]
+                                        - before["shared_memory"])
+                res["stream_bytes"].append(storage.read_bytes["stream"] - before["stream"])
+    embedded.close()
+
+
+def _report_loads(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    total = sum(r["nbytes"] for r in ranks)
+    print(f"\nckptd load benchmark: world {args.world}, FSDP2 {args.layers} x Linear({args.dim}) "
+          f"+ AdamW, {ranks[0]['nbytes'] / 1e9:.3f} GB/rank, {total / 1e9:.3f} GB total; "
+          f"medians of {args.reps} reps (slowest rank), {args.warmup} warmup")
+    print(f"{'variant':15s} {'load s':>8s} {'GB/s/rank':>10s} {'min s':>7s} {'max s':>7s} "
+          f"{'via shm MB':>11s} {'via stream MB':>14s}")
+    table: dict[str, Any] = {}
+    for v in LOAD_VARIANTS:
+        per_rep = [max(vals) for vals in zip(*(r["results"][v]["load"] for r in ranks))]
+        med = statistics.median(per_rep)
+        shm = statistics.median(ranks[0]["results"][v]["shm_bytes"]) / 1e6
+        stream = statistics.median(ranks[0]["results"][v]["stream_bytes"]) / 1e6
+        table[v] = {"load": med, "runs": per_rep, "shm_mb_rank0": shm, "stream_mb_rank0": stream}
+        print(f"{v:15s} {med:8.3f} {ranks[0]['nbytes'] / med / 1e9:10.2f} {min(per_rep):7.3f} "
+              f"{max(per_rep):7.3f} {shm:11.1f} {stream:14.1f}")
+    emb = table["load-embedded"]["load"]
+    print(f"\nload-shm / load-embedded {table['load-shm']['load'] / emb:.2f}x, "
+          f"load-stream / load-embedded {table['load-stream']['load'] / emb:.2f}x, "
+          f"load-shm / load-stream {table['load-shm']['load'] / table['load-stream']['load']:.2f}x"
+          f" (rank 0 byte counts are for its DaemonStorage; embedded reads files directly)")
+    return table
+
+
 # -- launcher --------------------------------------------------------------------------------
 def _free_port() -> int:
     import socket
@@ -266,6 +339,15 @@ def main(argv: list[str] | None = None) -> int:
             ranks.append(json.load(f))
     shutil.rmtree(out_dir, ignore_errors=True)
     total = sum(r["nbytes"] for r in ranks)
+    if args.load:
+        table = _report_loads(args, ranks)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"load": table, "total_bytes": total, "args": vars(args)}, f, indent=2)
+        if not args.root:
+            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 0
     dd_idle = [_dd(os.path.join(root, "dd.bin"), total)[0] for _ in range(3)]
     dd_all = [x for v in ranks[0]["results"].values() for x in v.get("dd", [])]
     dd_rate = statistics.median(dd_all) if dd_all else _dd(os.path.join(root, "dd.bin"), total)[0]
