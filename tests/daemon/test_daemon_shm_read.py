@@ -291,3 +291,39 @@ def test_client_killed_mid_load_leaves_no_segment(tmp_path, daemons: Daemons):
         assert torch.equal(a, b)
     assert loader._transport.storage().read_bytes["shared_memory"] > 0
     loader.close()
+
+
+@pytest.mark.slow
+def test_daemon_restarted_mid_load_the_load_completes_through_the_stream(tmp_path,
+                                                                         daemons: Daemons):
+    import threading
+
+    gate = str(tmp_path / "read-gate")
+    port = free_port()
+    sock = daemons.socket_path("restart")
+    d = daemons.start(socket_path=sock, env={"CKPTD_TEST_READ_GATE": gate},
+                      extra_args=("--metrics-port", str(port)))
+    m, opt = _model(8)
+    client = CheckpointClient("restart", daemon=d.address)
+    client.save(m, optimizer=opt, step=1)
+    m2, opt2 = _model(9)
+    result: dict[str, object] = {}
+
+    def load() -> None:
+        try:
+            result["info"] = client.load(m2, optimizer=opt2)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=load)
+    t.start()
+    _wait(lambda: _metric(port, "ckptd_read_ranges_in_flight") > 0, "a range in flight", d.log)
+    d.kill()                                  # mid-read: the daemon's segment mapping is gone
+    d2 = daemons.start(socket_path=sock)      # same socket, no gate
+    t.join(timeout=300)
+    assert not t.is_alive() and "error" not in result, result.get("error")
+    _equal(m, opt, m2, opt2)
+    read = client._transport.storage().read_bytes
+    assert read["stream"] > 0                 # the rest came through the stream
+    assert check_health("unix:" + d2.socket) == "SERVING"
+    client.close()
