@@ -402,10 +402,17 @@ class CheckpointClient:
         Works at any world size and across frameworks.  With ``strict`` every tensor of
         the model (and optimizer) must be in the checkpoint with the same shape and dtype,
         and nothing else may be; otherwise missing tensors keep their values, unexpected
-        ones are ignored, and dtypes are converted.  Shapes must always match.  A
-        checkpoint saved without optimizer state, or with another number of optimizer param
-        groups, is a mismatch too (strict=False keeps the optimizer's own).  Nothing is
-        changed when a check fails.
+        ones are ignored, and dtypes are converted.  Shapes must always match.
+
+        Optimizer hyperparameters (lr, weight decay, ...) are restored per param group, each
+        saved group onto the live group that holds the same parameters (by name), so an
+        optimizer that builds the same groups in another order gets each group's own values.
+        These are mismatches too, reported before anything is read: a checkpoint saved
+        without optimizer state; one saved before the optimizer's first step, loaded into an
+        optimizer that has state (load into a freshly constructed optimizer to roll it back);
+        param groups that hold other parameters, or another number of groups.  strict=False
+        loads the tensors and keeps the optimizer's own state or hyperparameters there, with
+        a warning.  Nothing is changed when a check fails.
         """
         storage = self._transport.storage()
         rec = resolve_step(storage, self.job, step)
@@ -432,30 +439,57 @@ class CheckpointClient:
             f"{n}: checkpoint {available[n].dtype}, model {m.dtype}"
             for n, m in expected.items() if n in available and available[n].dtype != m.dtype
             and available[n].shape == m.shape)
+        saved_optim_state = any(n.startswith("optim/") for n in available)
+        # A checkpoint without any optimizer state is reported as such (below), not as a
+        # list of every optimizer tensor it lacks.
+        listed_missing = missing if saved_optim_state else [
+            n for n in missing if not n.startswith("optim/")]
         problems = []
         if bad_shape:
             problems.append(("shape mismatches", bad_shape))
         if strict:
-            problems += [(k, v) for k, v in (("missing from the checkpoint", missing),
+            problems += [(k, v) for k, v in (("missing from the checkpoint", listed_missing),
                                              ("unexpected in the checkpoint", unexpected),
                                              ("dtype mismatches", bad_dtype)) if v]
         # Checked here, before anything is loaded: hyperparameters are restored by group.
         saved_groups = index.param_groups or None
         optim_notes = []
-        if optimizer is not None and saved_groups is None and not any(
-                n.startswith("optim/") for n in available):
-            optim_notes.append(
-                "the checkpoint was saved without optimizer state (no optimizer= in save), so "
-                "the optimizer would stay as it is")
-        if (optimizer is not None and saved_groups is not None
-                and len(saved_groups) != len(optimizer.param_groups)):
-            optim_notes.append(
-                f"the optimizer has {len(optimizer.param_groups)} param groups but the "
-                f"checkpoint saved {len(saved_groups)}, so its hyperparameters cannot be restored")
-            if not strict:
-                log.warning("ckptd: %s; loading the tensors and keeping the optimizer's own "
-                            "hyperparameters (strict=False)", optim_notes[-1])
-                saved_groups = None
+        rollback = ""  # the checkpoint predates the optimizer's first step, the optimizer not
+        if optimizer is not None and not saved_optim_state:
+            if saved_groups is None:
+                optim_notes.append(
+                    "the checkpoint was saved without optimizer state (no optimizer= in save), "
+                    "so the optimizer would stay as it is")
+            elif not fresh_optim and plan.optim_names:
+                rollback = (
+                    f"the checkpoint has no optimizer state: step {rec.step} was saved before the "
+                    "optimizer's first step (only its param groups were saved), but this "
+                    f"optimizer has state for {len(optimizer.state)} parameters from the steps it "
+                    "has taken")
+                if strict:
+                    optim_notes.append(
+                        rollback + ". To roll the optimizer back too, load into a freshly "
+                        "constructed optimizer (built as in the saved run, before its first "
+                        "step); strict=False loads the model and keeps this optimizer's current "
+                        "state, which belongs to a later point of training")
+                else:
+                    log.warning("ckptd: %s; loading the model and keeping the optimizer's current "
+                                "state (strict=False). To roll the optimizer back too, load into "
+                                "a freshly constructed optimizer.", rollback)
+        if optimizer is not None and saved_groups is not None:
+            if len(saved_groups) != len(optimizer.param_groups):
+                group_note: str | None = (
+                    f"the optimizer has {len(optimizer.param_groups)} param groups but the "
+                    f"checkpoint saved {len(saved_groups)}, so its hyperparameters cannot be "
+                    "restored")
+            else:
+                saved_groups, group_note = _match_param_groups(saved_groups, plan.group_params)
+            if group_note is not None:
+                optim_notes.append(group_note)
+                if not strict:
+                    log.warning("ckptd: %s; loading the tensors and keeping the optimizer's own "
+                                "hyperparameters (strict=False)", group_note)
+                    saved_groups = None
         if problems or (strict and optim_notes):
             lines = []
             for what, names in problems:
@@ -468,12 +502,14 @@ class CheckpointClient:
                 hint = (" The model's architecture differs from the saved one (e.g. hidden size "
                         "or vocabulary); build it with the configuration the checkpoint was "
                         "saved with. Shapes must match even with strict=False.")
-            elif optim_notes and not problems:
+            elif problems:
+                hint = " Pass strict=False to load the matching tensors and keep the rest."
+            elif len(optim_notes) > bool(rollback):
                 hint = (" Build the optimizer as in the saved run, load without optimizer=, or "
                         "pass strict=False to load the tensors and keep the optimizer's own "
                         "state and hyperparameters where the checkpoint has none.")
             else:
-                hint = " Pass strict=False to load the matching tensors and keep the rest."
+                hint = ""  # the rollback note says what to do
             if fresh_optim:
                 optimizer.state.clear()  # type: ignore[union-attr]
             raise StateMismatchError(
@@ -514,6 +550,41 @@ class CheckpointClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _match_param_groups(saved: list[dict[str, Any]], live: list[list[str]] | None) -> tuple[
+        list[dict[str, Any]], str | None]:
+    """The saved param groups in the order of the optimizer's, matched by the parameters
+    each holds (hyperparameters belong to parameters, not to a group's position), or the
+    saved groups unchanged and what differs.  ``live``: the parameter names of each live
+    group (None: unknown, groups go by position).  Both lists have the same length."""
+    if live is None or not all(isinstance(g.get("params"), list) for g in saved):
+        return saved, None
+    sets = [frozenset(g["params"]) for g in saved]
+    free = list(range(len(saved)))
+    order: list[int] = []
+    for i, names in enumerate(live):
+        want = frozenset(names)
+        j = next((j for j in free if sets[j] == want), None)
+        if j is None:
+            near = max(range(len(saved)), key=lambda k: (len(sets[k] & want), k == i))
+            added, gone = sorted(want - sets[near]), sorted(sets[near] - want)
+
+            def few(xs: list[str]) -> str:
+                return ", ".join(xs[:3]) + (", ..." if len(xs) > 3 else "")
+
+            return saved, (
+                f"optimizer param group {i} holds other parameters than every saved group, so "
+                "the saved hyperparameters (lr, weight decay, ...) cannot be matched to it "
+                f"(compared with saved group {near}: {len(added)} not in it ({few(added)}), "
+                f"{len(gone)} only in it ({few(gone)}))")
+        free.remove(j)
+        order.append(j)
+    if order != sorted(order):
+        log.info("ckptd: the optimizer's param groups hold the saved groups' parameters in "
+                 "another order (saved group for each: %s); restoring each group's "
+                 "hyperparameters by its parameters", order)
+    return [saved[j] for j in order], None
 
 
 def _check_not_meta(items: list[SaveItem], step: int) -> None:

@@ -590,3 +590,100 @@ def test_saving_a_model_on_the_meta_device_names_the_tensor_and_what_to_do(tmp_p
     c.load(fresh)
     _equal(fresh, model)
     c.close()
+
+
+def _decay_groups(model: torch.nn.Module, no_decay_first: bool, **kw) -> list[dict]:
+    """AdamW groups as fine-tuning scripts build them: weights decay, biases do not."""
+    decay = {"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "weight_decay": kw.get("wd", 0.1), "lr": kw.get("lr", 0.01)}
+    no_decay = {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+                "weight_decay": 0.0, "lr": kw.get("nd_lr", 0.02)}
+    return [no_decay, decay] if no_decay_first else [decay, no_decay]
+
+
+def test_param_groups_in_another_order_get_their_own_hyperparameters(tmp_path):
+    """The no-decay group first instead of second: each group's weight decay and lr come
+    back onto the parameters they belonged to, not by position, and training goes on
+    exactly as in the saving run."""
+    model = _two_layer(0)
+    opt = torch.optim.AdamW(_decay_groups(model, no_decay_first=False))
+    _train_two_steps(model, opt)
+    c = CheckpointClient("regrouped", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=2)
+    fresh = _two_layer(1)
+    opt2 = torch.optim.AdamW(_decay_groups(fresh, no_decay_first=True, wd=0.5, lr=1.0,
+                                           nd_lr=1.0))
+    c.load(fresh, optimizer=opt2)
+    no_decay, decay = opt2.param_groups
+    assert (no_decay["weight_decay"], no_decay["lr"]) == (0.0, 0.02)
+    assert (decay["weight_decay"], decay["lr"]) == (0.1, 0.01)
+    _train_two_steps(model, opt)
+    _train_two_steps(fresh, opt2)
+    _equal(fresh, model)
+    c.close()
+
+
+def test_param_groups_holding_other_parameters_fail_before_loading_or_keep_their_own(
+        tmp_path, caplog):
+    """As many groups as saved, but grouped otherwise (by layer instead of by decay): the
+    saved hyperparameters belong to no live group. strict: fails before anything changed;
+    strict=False: loads the tensors, keeps the live hyperparameters and warns."""
+    model = _two_layer(0)
+    opt = torch.optim.AdamW(_decay_groups(model, no_decay_first=False))
+    _train_two_steps(model, opt)
+    c = CheckpointClient("other-groups", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=2)
+    fresh = _two_layer(1)
+    opt2 = torch.optim.AdamW([{"params": fresh[0].parameters(), "weight_decay": 0.3},
+                              {"params": fresh[1].parameters(), "weight_decay": 0.4}], lr=0.5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(StateMismatchError, match=(
+            r"optimizer param group 0 holds other parameters than every saved group, so the "
+            r"saved hyperparameters .* cannot be matched to it \(compared with saved group "
+            r"\d: 1 not in it \(0.bias\), 1 only in it \(1.weight\)\).*Build the optimizer as "
+            r"in the saved run")):
+        c.load(fresh, optimizer=opt2)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert not opt2.state
+    with caplog.at_level("WARNING", logger="ckptd.client"):
+        c.load(fresh, optimizer=opt2, strict=False)
+    assert "keeping the optimizer's own hyperparameters" in caplog.text
+    _equal(fresh, model)
+    assert [(g["weight_decay"], g["lr"]) for g in opt2.param_groups] == [(0.3, 0.5), (0.4, 0.5)]
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, v in opt.state[p].items():
+            assert torch.equal(opt2.state[q][key], v), key
+    c.close()
+
+
+def test_rolling_back_to_a_checkpoint_from_before_the_first_step(tmp_path, caplog):
+    """A checkpoint saved before the optimizer's first step has no optimizer state. Loading
+    it into an optimizer that has taken steps says so (not a list of every optimizer tensor
+    it lacks) and what to do; a freshly constructed optimizer rolls back completely;
+    strict=False rolls back the model only and warns that the optimizer keeps its state."""
+    model = _two_layer(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    c = CheckpointClient("rollback", storage=_uri(tmp_path))
+    c.save(model, optimizer=opt, step=0)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    _train_two_steps(model, opt)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateMismatchError) as info:
+        c.load(model, optimizer=opt, step=0)
+    msg = str(info.value)
+    assert ("the checkpoint has no optimizer state: step 0 was saved before the optimizer's "
+            "first step (only its param groups were saved), but this optimizer has state for 4 "
+            "parameters") in msg, msg
+    assert "load into a freshly constructed optimizer" in msg, msg
+    assert "strict=False loads the model and keeps this optimizer's current state" in msg, msg
+    assert "missing" not in msg and "optim/" not in msg, msg
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    with caplog.at_level("WARNING", logger="ckptd.client"):
+        c.load(model, optimizer=opt, step=0, strict=False)
+    assert "keeping the optimizer's current state (strict=False)" in caplog.text
+    assert all(torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    assert len(opt.state) == 4
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    c.load(model, optimizer=opt, step=0)
+    assert not opt.state and opt.param_groups[0]["lr"] == 0.01
+    c.close()

@@ -51,13 +51,17 @@ class LoadPlan:
 
     ``model_names`` / ``optim_names``: every logical name the model/optimizer expects
     (targets may be a subset on ranks that hold nothing of a tensor); used for the
-    missing/unexpected-key check.
+    missing/unexpected-key check.  ``group_params``: for each of the optimizer's
+    ``param_groups`` in order, the names of its parameters as :attr:`SaveState.param_groups`
+    records them, so saved groups are matched to live ones by their parameters; None when
+    there is no optimizer (or the adapter cannot name them: groups then go by position).
     """
 
     targets: list[LoadTarget]
     model_names: dict[str, TensorMeta]
     optim_names: dict[str, TensorMeta]
     finish: Callable[[list[dict[str, Any]] | None], None]
+    group_params: list[list[str]] | None = None
 
 
 class FrameworkAdapter(abc.ABC):
@@ -92,5 +96,7 @@ class FrameworkAdapter(abc.ABC):
 
         ``available`` lists the logical tensors of the checkpoint, so an adapter can
         create optimizer state that does not exist yet.  ``finish(param_groups)`` installs
-        the filled tensors and the saved hyperparameters (``None`` if none were saved).
+        the filled tensors and the saved hyperparameters (``None`` if none were saved); the
+        caller passes one saved group per live group, in the optimizer's order (matched by
+        ``group_params``), and has checked them before reading anything.
         """

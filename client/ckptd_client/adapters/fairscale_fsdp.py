@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptd.errors import ConfigError, StateMismatchError
+from ckptd.errors import ConfigError
 from ckptd.format.items import FlatView, LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_len, dim0_shard
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
@@ -560,8 +560,11 @@ class FairscaleAdapter(FrameworkAdapter):
 
         optim_names: dict[str, TensorMeta] = {}
         new_state: dict[int, dict[str, Any]] = {}
+        group_params: list[list[str]] | None = None
         if optimizer is not None:
             new_state = self._plan_optim(layout, optimizer, available, targets, optim_names)
+            group_params = [[f for p in g["params"] for f in _optim_fqns(layout.owner(p))]
+                            for g in optimizer.param_groups]
 
         def finish(param_groups: list[dict[str, Any]] | None) -> None:
             with torch.no_grad():
@@ -575,7 +578,7 @@ class FairscaleAdapter(FrameworkAdapter):
             if optimizer is not None:
                 self._install_optim(layout, optimizer, new_state, param_groups)
 
-        return LoadPlan(targets, model_names, optim_names, finish)
+        return LoadPlan(targets, model_names, optim_names, finish, group_params)
 
     def _plan_optim(
         self,
@@ -673,24 +676,8 @@ class FairscaleAdapter(FrameworkAdapter):
         new_state: dict[int, dict[str, Any]],
         param_groups: list[dict[str, Any]] | None,
     ) -> None:
-        if param_groups is not None:
-            # Check before installing anything: hyperparameters go by group index.
-            if len(param_groups) != len(optimizer.param_groups):
-                raise StateMismatchError(
-                    f"the checkpoint has {len(param_groups)} optimizer param groups, the optimizer "
-                    f"has {len(optimizer.param_groups)}; build the optimizer with the same groups"
-                )
-            for gi, (saved, group) in enumerate(zip(param_groups, optimizer.param_groups)):
-                want = [f for p in group["params"] for f in _optim_fqns(layout.owner(p))]
-                got = saved.get("params")
-                if got is not None and set(got) != set(want):
-                    missing = sorted(set(want) - set(got))[:5]
-                    extra = sorted(set(got) - set(want))[:5]
-                    raise StateMismatchError(
-                        f"optimizer param group {gi} holds different parameters than at save "
-                        f"time (not saved: {missing}, saved but absent: {extra}); build the "
-                        "optimizer with the same param groups"
-                    )
+        # ``param_groups`` were matched to the live groups by their parameters (and checked)
+        # by the caller before anything was read.
         state: dict[int, dict[str, Any]] = {}
         for idx, (_, p) in enumerate(_group_params(optimizer)):
             st = new_state.get(id(p))

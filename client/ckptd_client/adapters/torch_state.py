@@ -205,7 +205,11 @@ def json_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, Any]] | None) -> None:
-    """Restore saved hyperparameters onto live ``param_groups`` by group index."""
+    """Restore saved hyperparameters onto live ``param_groups`` by group index.
+
+    ``saved`` is in the live groups' order: ``CheckpointClient.load`` matches the saved
+    groups to the live ones by their parameters' names before calling this.
+    """
     if not saved:
         return
     if len(saved) != len(groups):
@@ -418,6 +422,16 @@ class TorchAdapter(FrameworkAdapter):
                         scalars.append((state, key, holder))
                         v = holder
                     optim_names[name] = _targets_for(name, v, targets)
+        group_params: list[list[str]] | None = None
+        if optimizer is not None:
+            if osd is None:
+                # torch names a group's parameters only in an optimizer state dict, which it
+                # builds by creating the state (as in save_state): drop that state again.
+                groups = get_optimizer_state_dict(model, optimizer, options=opts)["param_groups"]
+                optimizer.state.clear()
+            else:
+                groups = osd["param_groups"]
+            group_params = [list(g["params"]) for g in groups]
 
         def finish(param_groups: list[dict[str, Any]] | None) -> None:
             set_model_state_dict(model, msd, options=opts)
@@ -428,7 +442,7 @@ class TorchAdapter(FrameworkAdapter):
             if optimizer is not None:
                 apply_hyperparameters(optimizer.param_groups, param_groups)
 
-        return LoadPlan(targets, model_names, optim_names, finish)
+        return LoadPlan(targets, model_names, optim_names, finish, group_params)
 
 
 def numel(shape: Shape) -> int:
