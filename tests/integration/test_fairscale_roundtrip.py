@@ -254,3 +254,66 @@ def test_fairscale_replica_groups_write_once(tmp_path: Any) -> None:
     root = str(tmp_path)
     run_world(save_job, 4, root, 2)
     run_world(load_job, 3, root, ("w4r2",))
+
+
+def groups_job(rank: int, world: int, root: str) -> None:
+    """Param groups by FSDP instance: the same groups in another order get their own
+    hyperparameters back; other groups fail before anything is read (strict) or keep the
+    live hyperparameters (strict=False)."""
+    import ckptd_client.client as client_mod
+    from ckptd.errors import StateMismatchError
+
+    def groups(model: nn.Module, swapped: bool, **hp: Any) -> list[dict[str, Any]]:
+        top, *nested = [m for _, m in fsdp_instances(model)]
+        own = {"params": list(top.params), "weight_decay": hp.get("wd", 0.1)}
+        inner = {"params": [p for m in nested for p in m.params], "weight_decay": 0.0,
+                 "lr": hp.get("inner_lr", 0.02)}
+        return [inner, own] if swapped else [own, inner]
+
+    model = wrap(unwrapped(seed=3), True, torch.float32)
+    opt = torch.optim.AdamW(groups(model, swapped=False), lr=0.01)
+    train(model, opt, 2)
+    client = CheckpointClient("fs-groups", storage=f"file://{root}")
+    client.save(model, optimizer=opt, step=2)
+
+    fresh = wrap(unwrapped(seed=4), True, torch.float32)
+    swapped = torch.optim.AdamW(groups(fresh, swapped=True, wd=0.5, inner_lr=1.0), lr=1.0)
+    client.load(fresh, optimizer=swapped)
+    inner, own = swapped.param_groups
+    assert (inner["weight_decay"], inner["lr"]) == (0.0, 0.02)
+    assert (own["weight_decay"], own["lr"]) == (0.1, 0.01)
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.data, q.data)
+        for key, v in opt.state[p].items():
+            assert torch.equal(swapped.state[q][key], v), key
+
+    other = wrap(unwrapped(seed=4), True, torch.float32)
+    top, first, last = [m for _, m in fsdp_instances(other)]
+    regrouped = torch.optim.AdamW([{"params": [*top.params, *first.params]},
+                                   {"params": list(last.params), "weight_decay": 0.3}], lr=0.5)
+    before = [p.detach().clone() for p in other.parameters()]
+    real_reader = client_mod.CheckpointReader
+
+    def no_reading(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the param groups must be checked before anything is read")
+
+    client_mod.CheckpointReader = no_reading  # type: ignore[assignment,misc]
+    try:
+        with pytest.raises(StateMismatchError, match="optimizer param group 0 holds other "
+                                                     "parameters than every saved group"):
+            client.load(other, optimizer=regrouped)
+    finally:
+        client_mod.CheckpointReader = real_reader  # type: ignore[misc]
+    assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before, strict=True))
+    assert not regrouped.state
+    client.load(other, optimizer=regrouped, strict=False)
+    assert [(g["weight_decay"], g["lr"]) for g in regrouped.param_groups] == [(0.01, 0.5),
+                                                                            (0.3, 0.5)]
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(p.data, q.data)
+    client.close()
+
+
+@pytest.mark.slow
+def test_fairscale_param_groups_are_matched_by_their_parameters(tmp_path: Any) -> None:
+    run_world(groups_job, 2, str(tmp_path))
