@@ -261,6 +261,7 @@ def groups_job(rank: int, world: int, root: str) -> None:
     hyperparameters back; other groups fail before anything is read (strict) or keep the
     live hyperparameters (strict=False)."""
     import ckptd_client.client as client_mod
+
     from ckptd.errors import StateMismatchError
 
     def groups(model: nn.Module, swapped: bool, **hp: Any) -> list[dict[str, Any]]:

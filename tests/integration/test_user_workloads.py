@@ -103,3 +103,70 @@ def load_job(rank: int, world: int, root: str, trained_steps: int) -> None:
 def test_fsdp2_workload_saved_at_3_loads_at_2(tmp_path, trained_steps):
     run_world(save_job, 3, str(tmp_path), trained_steps)
     run_world(load_job, 2, str(tmp_path), trained_steps)
+
+
+def decay_groups(model: torch.nn.Module, no_decay_first: bool, lr: float = 1e-2,
+                 wd: float = 0.1) -> list[dict]:
+    """Weights (and the 1 x 5 parameter) decay; biases do not and have their own lr."""
+    named = list(model.named_parameters())
+    decay = {"params": [p for n, p in named if p.dim() >= 2], "weight_decay": wd, "lr": lr}
+    no_decay = {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0,
+                "lr": 3 * lr}
+    return [no_decay, decay] if no_decay_first else [decay, no_decay]
+
+
+def deferred_init_and_groups_job(rank: int, world: int, root: str) -> None:
+    """FSDP2 with deferred init: a save before the model is materialized names a meta
+    tensor; then a checkpoint saved with decay/no-decay groups loads into an optimizer that
+    builds them in the other order, and training goes on exactly as in the saving run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptd.errors import ConfigError
+
+    def build_deferred(seed: int) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = Workload()
+        mesh = init_device_mesh("cpu", (world,))
+        for m in (model.l1, model.l2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def materialize(model: torch.nn.Module, seed: int) -> None:
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for m in (model.emb, model.l1, model.frozen, model.unused, model.l2):
+                m.reset_parameters()
+            torch.nn.init.normal_(model.tiny)
+            model.cache.fill_(1.0)
+
+    client = CheckpointClient("deferred", storage=f"file://{root}")
+    model = build_deferred(1)
+    with pytest.raises(ConfigError, match=r"cannot save step 0: 'model/.*' and \d+ more tensors "
+                                          r"are on the meta device.*to_empty"):
+        client.save_async(model, step=0)
+    materialize(model, 1)
+    opt = torch.optim.AdamW(decay_groups(model, no_decay_first=False))
+    for i in range(2):
+        step(model, opt, i)
+    client.save(model, optimizer=opt, step=2)
+
+    fresh = build_deferred(2)
+    materialize(fresh, 2)
+    opt2 = torch.optim.AdamW(decay_groups(fresh, no_decay_first=True, lr=0.5, wd=0.5))
+    client.load(fresh, optimizer=opt2)
+    no_decay, decay = opt2.param_groups
+    assert (no_decay["weight_decay"], no_decay["lr"]) == (0.0, 3e-2)
+    assert (decay["weight_decay"], decay["lr"]) == (0.1, 1e-2)
+    step(model, opt, 100)
+    step(fresh, opt2, 100)
+    for (n, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), f"{n} differs one step after the load"
+    client.close()
+
+
+@pytest.mark.slow
+def test_fsdp2_deferred_init_and_param_groups_in_another_order(tmp_path):
+    run_world(deferred_init_and_groups_job, 2, str(tmp_path))
