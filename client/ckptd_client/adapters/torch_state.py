@@ -424,6 +424,7 @@ class TorchAdapter(FrameworkAdapter):
                     optim_names[name] = _targets_for(name, v, targets)
         group_params: list[list[str]] | None = None
         if optimizer is not None:
+            groups: Any
             if osd is None:
                 # torch names a group's parameters only in an optimizer state dict, which it
                 # builds by creating the state (as in save_state): drop that state again.
