@@ -327,3 +327,25 @@ def test_daemon_restarted_mid_load_the_load_completes_through_the_stream(tmp_pat
     assert read["stream"] > 0                 # the rest came through the stream
     assert check_health("unix:" + d2.socket) == "SERVING"
     client.close()
+
+
+@pytest.mark.slow
+def test_tight_budget_smaller_window_and_an_oversize_chunk_streams(daemons: Daemons):
+    """The budget cannot give the window the reader wants (twice its 36 MB chunk): the client
+    takes a 32 MiB one instead; the chunk larger than that is streamed, the rest comes
+    through shared memory, and the load is bit-exact."""
+    port = free_port()
+    d = daemons.start(staging_bytes="80MiB", extra_args=("--metrics-port", str(port)))
+    torch.manual_seed(11)
+    m = torch.nn.Sequential(torch.nn.Linear(3000, 3000), torch.nn.Linear(3000, 8))
+    client = CheckpointClient("tight", daemon=d.address)
+    client.save(m, step=1)                    # its ~37 MB segment stays with the client
+    m2 = torch.nn.Sequential(torch.nn.Linear(3000, 3000), torch.nn.Linear(3000, 8))
+    client.load(m2)
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    read = client._transport.storage().read_bytes
+    big = 3000 * 3000 * 4
+    assert read["stream"] >= big and 0 < read["shared_memory"] < big
+    client.close()
+    _wait(lambda: _metric(port, "ckptd_staging_bytes_in_use") == 0, "budget back", d.log)

@@ -69,7 +69,7 @@ from ckptd.v1 import ckptd_pb2 as pb
 from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
 from ckptd_client.staging import StagingBuffer
 from ckptd_client.transport.base import Lease, Transport
-from ckptd_client.transport.shmread import READ_TIMEOUT, SegmentWindow
+from ckptd_client.transport.shmread import READ_TIMEOUT, SMALL_WINDOW, SegmentWindow
 
 log = logging.getLogger("ckptd.client")
 
@@ -735,38 +735,51 @@ class DaemonStorage(StorageBackend):
         t = self._t
         if not t.local or os.environ.get("CKPTD_SHM_READS", "1") == "0":
             return None
-        try:
-            with t._lock:
-                s = t._ensure_session()
-            resp = t._call("AcquireStaging", pb.AcquireStagingRequest(
-                session_id=s.id, nbytes=capacity, wait=False,
-                transfer=pb.TRANSFER_SHARED_MEMORY, use=pb.SEGMENT_USE_READ),
-                timeout=CALL_TIMEOUT)
-        except (_Busy, CkptdError) as exc:
-            log.info("ckptd: no shared-memory read segment of %d bytes from the daemon (%s); "
-                     "this load streams its bytes", capacity,
-                     "staging budget in use" if isinstance(exc, _Busy) else exc)
+        # the size asked for, else a small window (fetches larger than it then stream)
+        resp = None
+        why = ""
+        for size in [capacity] + ([SMALL_WINDOW] if capacity > SMALL_WINDOW else []):
+            try:
+                with t._lock:
+                    s = t._ensure_session()
+                resp = t._call("AcquireStaging", pb.AcquireStagingRequest(
+                    session_id=s.id, nbytes=size, wait=False,
+                    transfer=pb.TRANSFER_SHARED_MEMORY, use=pb.SEGMENT_USE_READ),
+                    timeout=CALL_TIMEOUT)
+                break
+            except _Busy:
+                why = "the node's staging budget is in use"
+            except StagingError as exc:   # e.g. larger than the whole budget
+                why = str(exc)
+            except CkptdError as exc:
+                why = str(exc)
+                break
+        if resp is None:
+            log.info("ckptd: no shared-memory read segment from the daemon (%s); this load "
+                     "streams its bytes", why)
             return None
+
+        segment_id = resp.segment_id
+        window: SegmentWindow | None = None
 
         def release() -> None:
             with self._count_lock:
-                self._windows.discard(window)
+                self._windows.discard(window)  # type: ignore[arg-type]
             try:
                 t._call("ReleaseStaging", pb.ReleaseStagingRequest(
-                    session_id=s.id, segment_id=resp.segment_id), timeout=CALL_TIMEOUT)
+                    session_id=s.id, segment_id=segment_id), timeout=CALL_TIMEOUT)
             except CkptdError as exc:  # the session is gone: the daemon freed it already
-                log.debug("ckptd: releasing read segment %s failed: %s", resp.segment_id, exc)
+                log.debug("ckptd: releasing read segment %s failed: %s", segment_id, exc)
 
         try:
-            mm = t._map_segment(s, resp.segment_id, resp.size, writable=False)
+            mm = t._map_segment(s, segment_id, resp.size, writable=False)
         except CkptdError as exc:
             log.info("ckptd: cannot map the read segment (%s); this load streams its bytes",
                      exc)
-            window = None
             release()
             return None
         window = SegmentWindow(
-            session_id=s.id, segment_id=resp.segment_id, mm=mm, address=t.address,
+            session_id=s.id, segment_id=segment_id, mm=mm, address=t.address,
             call=lambda req: t._stub.ReadIntoSegment(req, timeout=READ_TIMEOUT,
                                                      metadata=t._md),
             stream_get=self.get, count=self._count, release=release)

@@ -38,6 +38,7 @@ ALIGN = 64                 # every range starts 64-byte aligned (any dtype view 
 MAX_BATCH_ITEMS = 1024     # the daemon accepts up to 4096 ranges per call
 MIN_BATCH_BYTES = 1 << 20
 READ_TIMEOUT = 600.0
+SMALL_WINDOW = 32 << 20    # asked for when the budget cannot give the window the reader wants
 # The daemon can no longer serve this window (session or segment gone after a restart,
 # daemon unreachable, or too old for ReadIntoSegment): read through the stream instead.
 _FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED,
