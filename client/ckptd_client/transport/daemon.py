@@ -773,7 +773,7 @@ class DaemonStorage(StorageBackend):
 
         try:
             mm = t._map_segment(s, segment_id, resp.size, writable=False)
-        except CkptdError as exc:
+        except (CkptdError, OSError) as exc:
             log.info("ckptd: cannot map the read segment (%s); this load streams its bytes",
                      exc)
             release()
