@@ -288,3 +288,48 @@ def test_segment_window_places_views_and_raises_refusals():
         w.fill([WindowRead("j/a", 0, 1, 0, False)])
     assert w.fallback is None
     w.close()
+
+
+def test_stream_read_is_tried_again_when_its_connection_broke():
+    """ReadObject on a connection that broke (the daemon restarted under the call) fails
+    UNAVAILABLE; DaemonStorage.get tries it again, and gives up after a few tries."""
+    from types import SimpleNamespace
+
+    from ckptd_client.transport.daemon import STREAM_READ_ATTEMPTS, DaemonStorage
+
+    from ckptd.errors import DaemonUnavailableError
+    from ckptd.v1 import ckptd_pb2 as pb
+
+    calls = []
+
+    def read_object(req: Any, **kw: Any) -> Any:
+        calls.append(req.key)
+        if len(calls) < 3:
+            raise _RpcError(grpc.StatusCode.UNAVAILABLE)
+        return iter([pb.ReadObjectResponse(data=b"ab"), pb.ReadObjectResponse(data=b"c")])
+
+    t = SimpleNamespace(url="file:///x", job="j", address="unix:///x", _md=(),
+                        _stub=SimpleNamespace(ReadObject=read_object))
+    storage = DaemonStorage(t)  # type: ignore[arg-type]
+    assert storage.get("j/k") == b"abc" and calls == ["j/k"] * 3
+    assert storage.read_bytes["stream"] == 3
+    calls.clear()
+
+    def down(req: Any, **kw: Any) -> Any:
+        calls.append(req.key)
+        raise _RpcError(grpc.StatusCode.UNAVAILABLE)
+
+    t._stub.ReadObject = down
+    with pytest.raises(DaemonUnavailableError, match="not reachable"):
+        storage.get("j/k")
+    assert len(calls) == STREAM_READ_ATTEMPTS
+    calls.clear()
+
+    def refused(req: Any, **kw: Any) -> Any:
+        calls.append(req.key)
+        raise _RpcError(grpc.StatusCode.INVALID_ARGUMENT)
+
+    t._stub.ReadObject = refused
+    with pytest.raises(ConfigError):
+        storage.get("j/k")
+    assert len(calls) == 1                    # only a broken connection is tried again

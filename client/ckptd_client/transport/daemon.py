@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import tenacity
 import torch
 
 from ckptd.daemon.config import STREAM_CHUNK_BYTES
@@ -77,6 +78,7 @@ MAX_SEGMENTS = 2
 CONNECT_TIMEOUT = 30.0
 CALL_TIMEOUT = 60.0
 MAX_MESSAGE = 64 << 20
+STREAM_READ_ATTEMPTS = 4   # ReadObject calls whose connection broke are tried again
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
@@ -816,9 +818,18 @@ class DaemonStorage(StorageBackend):
             req.start = start
         if end is not None:
             req.end = end
+        # wait_for_ready waits for a daemon that is down; a call that started on a connection
+        # that broke (the daemon restarted under it) fails UNAVAILABLE and is tried again
+        # (reads are idempotent)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, grpc.RpcError)
+                and e.code() == grpc.StatusCode.UNAVAILABLE),  # type: ignore[attr-defined]
+            stop=tenacity.stop_after_attempt(STREAM_READ_ATTEMPTS),
+            wait=tenacity.wait_random_exponential(multiplier=0.2, max=2.0), reraise=True)
         try:
-            parts = [m.data for m in self._t._stub.ReadObject(
-                req, timeout=600.0, metadata=self._t._md, wait_for_ready=True)]
+            parts = retrying(lambda: [m.data for m in self._t._stub.ReadObject(
+                req, timeout=600.0, metadata=self._t._md, wait_for_ready=True)])
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self._t.address) from None
         data = b"".join(parts)
