@@ -273,7 +273,8 @@ def test_client_killed_mid_load_leaves_no_segment(tmp_path, daemons: Daemons):
     finally:
         if proc.poll() is None:
             proc.kill()
-    _wait(lambda: "session closed" in d.log(), "the loader's session to close", d.log)
+    _wait(lambda: any("session closed" in line and f"pid={proc.pid}" in line
+                      for line in d.log().splitlines()), "the loader's session to close", d.log)
     # the session is gone, but a read thread still holds the segment: it stays mapped and
     # charged (freeing it now could unmap memory the thread is about to write)
     assert _metric(port, "ckptd_staging_segments") == 1
