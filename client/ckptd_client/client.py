@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,7 +189,11 @@ class CheckpointClient:
         self._closed = False
         self._adapter_for: tuple[torch.nn.Module, Any] | None = None
         self._last_plan: tuple[tuple, RankPlan] | None = None
-        self._overlap_hooks: list[Any] = []
+        # overlap mode's copies run here: one thread, started with the first overlapped save
+        # and reused, so save_async only queues the work (a new Thread's start() waits until
+        # that thread runs -- milliseconds on busy cores -- and the copy then competes with
+        # the caller for the GIL before save_async has returned)
+        self._stager: ThreadPoolExecutor | None = None
         #: seconds spent in each phase of the last ``save_async`` call (copy mode: collect,
         #: plan, acquire, stage, submit; the transport may add its own sub-phases)
         self.last_phases: dict[str, float] = {}
@@ -329,7 +333,9 @@ class CheckpointClient:
                 staged.set_result(None)
                 inner.add_done_callback(lambda f: _chain(f, committed_f))
 
-            threading.Thread(target=background, name="ckptd-stage", daemon=True).start()
+            if self._stager is None:
+                self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-stage")
+            self._stager.submit(background)
             handle = SaveHandle(step, staged, committed_f)
             if optimizer is not None:
                 self._hook_optimizer(optimizer, handle)
@@ -543,6 +549,8 @@ class CheckpointClient:
         """Wait for in-flight saves, then release the transport.  Idempotent."""
         self._closed = True
         self.wait()
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
         self._transport.close()
 
     def __enter__(self) -> CheckpointClient:

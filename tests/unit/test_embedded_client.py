@@ -687,3 +687,33 @@ def test_rolling_back_to_a_checkpoint_from_before_the_first_step(tmp_path, caplo
     c.load(model, optimizer=opt, step=0)
     assert not opt.state and opt.param_groups[0]["lr"] == 0.01
     c.close()
+
+
+def test_overlap_saves_share_one_stager_thread_and_each_saves_its_own_step(tmp_path):
+    """Overlapped saves queue their copy on one reused thread (save_async does not wait for
+    a new thread to start); each save still holds the values of its own step, because the
+    optimizer's next step() waits for the copy; close() stops the thread."""
+    import threading
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 8)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    client = CheckpointClient("ovl", storage=f"file://{tmp_path}")
+    expected, handles = {}, []
+    for step in (1, 2, 3):
+        m(torch.randn(4, 16)).sum().backward()
+        expected[step] = {k: v.clone() for k, v in m.state_dict().items()}
+        handles.append(client.save_async(m, optimizer=opt, step=step, overlap=True))
+        opt.step()
+        opt.zero_grad()
+    for h in handles:
+        h.result(60)
+    stagers = [t for t in threading.enumerate() if t.name.startswith("ckptd-stage")]
+    assert len(stagers) == 1
+    for step, want in expected.items():
+        back = torch.nn.Linear(16, 8)
+        client.load(back, step=step)
+        for k, v in want.items():
+            assert torch.equal(back.state_dict()[k], v), (step, k)
+    client.close()
+    assert not stagers[0].is_alive()
