@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import grp
 import hmac
-import functools
 import logging
 import os
 import signal

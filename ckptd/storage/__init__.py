@@ -10,8 +10,14 @@ from ckptd.errors import ConfigError
 from ckptd.storage.base import StorageBackend, check_key
 from ckptd.storage.fsspec_backend import FsspecBackend, LocalBackend
 
-__all__ = ["StorageBackend", "FsspecBackend", "LocalBackend", "open_storage",
-           "open_write_storage", "check_key"]
+__all__ = [
+    "FsspecBackend",
+    "LocalBackend",
+    "StorageBackend",
+    "check_key",
+    "open_storage",
+    "open_write_storage",
+]
 
 #: Seconds background writes retry a failing object store (see :func:`open_write_storage`).
 BACKGROUND_RETRY_S = 300.0

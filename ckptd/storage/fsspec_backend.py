@@ -63,7 +63,7 @@ class FsspecBackend(StorageBackend):
             return fn(*args, **kwargs)
         except FileNotFoundError:
             raise
-        except Exception as exc:  # noqa: BLE001 - translated and re-raised
+        except Exception as exc:
             raise self._translate(exc, what) from exc
 
     # -- interface -----------------------------------------------------------------------

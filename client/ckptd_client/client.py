@@ -556,7 +556,7 @@ class CheckpointClient:
     def __enter__(self) -> CheckpointClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -620,4 +620,4 @@ def _chain(src: Future, dst: Future) -> None:
         dst.set_result(src.result())
 
 
-__all__ = ["CheckpointClient", "CheckpointInfo", "SaveHandle", "LoadTarget"]
+__all__ = ["CheckpointClient", "CheckpointInfo", "LoadTarget", "SaveHandle"]

@@ -17,7 +17,7 @@ from ckptd.storage import open_storage
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_daemon_saves_to_s3(s3_uri, daemons):  # noqa: F811
+def test_daemon_saves_to_s3(s3_uri, daemons):
     d = daemons.start(storage=s3_uri)   # the daemon inherits the S3 endpoint and credentials
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(512, 300), torch.nn.LayerNorm(300))
@@ -42,6 +42,11 @@ def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def _text(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -70,7 +75,7 @@ def test_daemon_rides_out_an_s3_outage_and_fails_a_save_only_after_its_retry_win
         handle.wait_staged()                  # handed over while S3 is unreachable
         # the write is retried under the daemon's window (100 attempts, not the 6 of a
         # storage client's default policy, which gives up after a few seconds)
-        _wait_for(lambda: "transient error on attempt 2/100" in open(patient.log_path).read(),
+        _wait_for(lambda: "transient error on attempt 2/100" in _text(patient.log_path),
                   "the daemon to retry a failed write")
         assert not handle.done()
         proxy.up()

@@ -19,11 +19,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_world
-from torch import nn
-
 from ckptd_client import CheckpointClient
 from ckptd_client.adapters.fairscale_fsdp import FairscaleAdapter
+from distributed import run_world
+from torch import nn
 
 SAVE_WORLDS = (2, 4)
 LOAD_WORLDS = (1, 2, 3, 4)

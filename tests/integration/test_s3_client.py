@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 from distributed import run_world
 from test_torch_fsdp import build, full_state, train
 
 from ckptd.errors import StoragePermissionError
 from ckptd.format.commit import committed_steps
 from ckptd.storage import open_storage
-from ckptd_client import CheckpointClient
 
 
 def save_job(rank: int, world: int, uri: str, scratch: str) -> None:

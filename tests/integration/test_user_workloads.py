@@ -15,10 +15,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from ckptd_client import CheckpointClient
 from distributed import run_world
 from test_torch_fsdp import full_state
-
-from ckptd_client import CheckpointClient
 
 
 class Workload(torch.nn.Module):

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from ckptd_client import CheckpointClient
 
 from ckptd.errors import (
     CheckpointNotFoundError,
@@ -21,7 +22,6 @@ from ckptd.errors import (
 from ckptd.format import paths
 from ckptd.format.commit import resolve_step
 from ckptd.storage import open_storage
-from ckptd_client import CheckpointClient
 
 
 class Mixed(torch.nn.Module):
