@@ -174,22 +174,6 @@ def _place(p: Place, data: memoryview, out: memoryview) -> None:
     dst[d_sl] = src[s_sl]
 
 
-def _pread_into(path: str, buf: memoryview, offset: int) -> int:
-    """Read ``len(buf)`` bytes of ``path`` from ``offset`` into ``buf``; returns bytes read
-    (fewer only at the end of the file)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < len(buf):
-            n = os.preadv(fd, [buf[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
-        return got
-    finally:
-        os.close(fd)
-
-
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -310,7 +294,6 @@ class Executor:
         self._buffers = _Buffers()
         from ckptd.storage.fsspec_backend import LocalBackend
 
-        self._local_root = src.root if isinstance(src, LocalBackend) else None
         self._deferred = (_DeferredLocalWriter(dst.root) if isinstance(dst, LocalBackend)
                           else None)
         self._io = ThreadPoolExecutor(max_workers=self.threads * self.ahead,
@@ -321,21 +304,18 @@ class Executor:
 
     def _get(self, f: Fetch, into: memoryview | None = None) -> memoryview:
         """Bytes ``[f.lo, f.hi)`` of the source object, with its unit segments' crc32c
-        recorded.  ``into`` (``f.nbytes`` long) receives the bytes if given.  On a local
-        disk the bytes are read straight into ``into`` (no intermediate buffer)."""
+        recorded.  ``into`` (``f.nbytes`` long) receives the bytes if given, through the
+        backend's ``get_into`` (on a local disk: read in place, no intermediate buffer)."""
         key = f"{self.src_prefix}/{f.key}"
         n = f.hi - f.lo
         try:
-            if self._local_root is not None:
-                mv = into if into is not None else memoryview(bytearray(n))
-                got = _pread_into(os.path.join(self._local_root, key), mv, f.lo)
+            if into is not None:
+                mv = into
+                got = self.src.get_into(key, into, f.lo)
             else:
                 data = self.src.get(key, f.lo, f.hi)
                 got = len(data)
                 mv = memoryview(data)
-                if into is not None and got == n:
-                    into[:] = mv
-                    mv = into
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"source object {key} is missing; the checkpoint is damaged. Run `ckptd "
