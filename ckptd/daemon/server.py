@@ -221,16 +221,6 @@ def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
     return key, cert, token
 
 
-def _write_storage(cfg: DaemonConfig, storage: StorageBackend) -> StorageBackend:
-    """The storage the write pipeline and retention use: on an object store it retries
-    transient failures for ``--storage-retry-s`` seconds, riding out an outage while the
-    daemon holds the bytes.  Reads keep ``storage``'s short policy, so a waiting ``load``
-    or listing fails within its RPC deadline with the storage's error."""
-    if not cfg.storage.startswith("s3://"):
-        return storage
-    return open_write_storage(cfg.storage, retry_window_s=cfg.storage_retry_s)
-
-
 async def run(cfg: DaemonConfig) -> int:
     # The event loop answers Save while writer threads run: switch the GIL more often than
     # the default 5 ms so an acknowledgement is not queued behind them.
@@ -244,7 +234,10 @@ async def run(cfg: DaemonConfig) -> int:
                  cfg.shm_dir)
     tls = _tls_material(cfg) if cfg.listen else None
     storage = open_storage(cfg.storage)
-    write_storage = _write_storage(cfg, storage)
+    # the write pipeline and retention ride out a storage outage for --storage-retry-s
+    # while the daemon holds the bytes; reads keep the short policy, so a waiting load or
+    # listing fails within its RPC deadline with the storage's error
+    write_storage = open_write_storage(cfg.storage, storage, retry_window_s=cfg.storage_retry_s)
     metrics = Metrics()
     budget = ByteBudget(cfg.staging_bytes)
     pool = StagingPool(budget, metrics)

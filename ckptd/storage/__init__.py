@@ -65,19 +65,23 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
     return LocalBackend(os.path.expanduser(uri))
 
 
-def open_write_storage(uri: str, *, retry_window_s: float = BACKGROUND_RETRY_S,
+def open_write_storage(uri: str, reads: StorageBackend, *,
+                       retry_window_s: float = BACKGROUND_RETRY_S,
                        **options: Any) -> StorageBackend:
     """A backend for writes that run in the background while training goes on (the daemon's
-    write pipeline, the embedded client's writer thread).
+    write pipeline, the embedded client's writer thread); ``reads`` is the backend already
+    open on ``uri`` (with ``options``) for callers who wait.
 
-    Their bytes stay staged until durable, so on an object store a transient failure --
-    an outage, 5xx, throttling -- is retried for ``retry_window_s`` seconds (at most 100
+    The writes' bytes stay staged until durable, so on an object store a transient failure
+    -- an outage, 5xx, throttling -- is retried for ``retry_window_s`` seconds (at most 100
     attempts, backoff up to 30 s) instead of the few attempts that suit a caller who waits
-    (a load, a listing).  Retry options the caller set explicitly win.  Local disks do not
-    retry (their errors are not transient).
+    (a load, a listing): a second backend with that policy.  Retry options the caller set
+    explicitly win.  Elsewhere ``reads`` itself is returned: local disks do not retry
+    (their errors are not transient).  Close the result only if it is not ``reads``.
     """
-    if isinstance(uri, str) and uri.strip().startswith("s3://"):
-        options.setdefault("retry_attempts", 100)
-        options.setdefault("retry_deadline_s", retry_window_s)
-        options.setdefault("retry_max_wait_s", min(30.0, max(1.0, retry_window_s / 10)))
+    if not uri.strip().startswith("s3://"):
+        return reads
+    options.setdefault("retry_attempts", 100)
+    options.setdefault("retry_deadline_s", retry_window_s)
+    options.setdefault("retry_max_wait_s", min(30.0, max(1.0, retry_window_s / 10)))
     return open_storage(uri, **options)

@@ -29,8 +29,7 @@ class EmbeddedTransport(Transport):
                  commit_timeout: float | None = 1800.0) -> None:
         self._storage = open_storage(uri, **storage_options)
         # the writer thread holds the staged bytes: it rides out an object-store outage
-        self._wstorage = (open_write_storage(uri, **storage_options)
-                          if uri.strip().startswith("s3://") else self._storage)
+        self._wstorage = open_write_storage(uri, self._storage, **storage_options)
         self.url = self._storage.url
         self._staging = StagingBuffer()
         self._free = threading.Semaphore(1)
