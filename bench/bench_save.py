@@ -154,14 +154,18 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
     client = CheckpointClient("bench", daemon=address)
     results: dict[str, dict[str, list[float]]] = {}
     step = 0
-    if args.load:
-        _measure_loads(rank, args, client, model, opt, nbytes, root, results)
+
+    def finish() -> None:
         client.close()
         reuse_stager.close()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"nbytes": nbytes, "results": results}, f)
         dist.barrier()
         dist.destroy_process_group()
+
+    if args.load:
+        _measure_loads(rank, args, client, model, opt, nbytes, root, results)
+        finish()
         return
 
     def dcp_state() -> dict[str, Any]:
@@ -225,12 +229,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, addres
                 shutil.rmtree(os.path.join(root, "dcp"), ignore_errors=True)
                 shutil.rmtree(os.path.join(root, "store", "bench"), ignore_errors=True)
             dist.barrier()
-    client.close()
-    reuse_stager.close()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"nbytes": nbytes, "results": results}, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish()
 
 
 def _measure_loads(rank: int, args: argparse.Namespace, client: Any, model: torch.nn.Module,
