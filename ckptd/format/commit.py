@@ -85,7 +85,13 @@ def try_commit(storage: StorageBackend, job: str, step: int, attempt: str,
 
 
 def read_commit(storage: StorageBackend, job: str, step: int) -> CommitRecord | None:
-    """The commit record of ``step``, or None if the step is not committed."""
+    """The commit record of ``step``, or None if the step is not committed.
+
+    The record names the attempt under *this* job's step directory: the ``job`` the marker
+    records is not used, so a job directory copied or renamed to another job name (a fork
+    of a run) loads from its own objects, never from the directory it was copied from.
+    A marker that records another step is damaged (a step directory copied to another
+    step number): the step's attempt holds another step's state."""
     key = paths.committed_key(job, step)
     try:
         data = storage.get(key)
@@ -94,10 +100,18 @@ def read_commit(storage: StorageBackend, job: str, step: int) -> CommitRecord | 
     doc = loads(data, key)
     check_version(doc, key)
     try:
-        return CommitRecord(str(doc["job"]), int(doc["step"]), str(doc["attempt"]),
-                            int(doc["world_size"]))
-    except (KeyError, TypeError, ValueError) as exc:
+        rec = CommitRecord(job, step, paths.check_attempt(doc["attempt"]),
+                           int(doc["world_size"]))
+        recorded = int(doc["step"])
+    except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise CorruptCheckpointError(f"{key} is malformed ({exc})") from exc
+    if recorded != step:
+        raise CorruptCheckpointError(
+            f"{key} records step {recorded}, expected {step}: the step directory was copied "
+            f"or renamed from step {recorded}, so it does not hold step {step}'s state. Load "
+            f"another step, or move the directory back to step {recorded}."
+        )
+    return rec
 
 
 def wait_committed(

@@ -498,6 +498,31 @@ def test_a_damaged_commit_marker_hides_only_its_step(tmp_path):
     c.close()
 
 
+def test_a_copied_job_loads_its_own_objects_and_a_copied_step_is_refused(tmp_path):
+    """A job directory copied to another name (a fork of a run) loads from the copy, also
+    once the original is gone; a step directory copied to another step number is not
+    that step: it is reported as damaged and `load()` takes the latest real step."""
+    import shutil
+
+    src = Mixed(0)
+    c = CheckpointClient("run1", storage=_uri(tmp_path))
+    c.save(src, step=1)
+    c.close()
+    shutil.copytree(tmp_path / "run1", tmp_path / "run2")
+    shutil.rmtree(tmp_path / "run1")
+    fork = CheckpointClient("run2", storage=_uri(tmp_path))
+    dst = Mixed(1)
+    info = fork.load(dst)
+    assert (info.job, info.step) == ("run2", 1)
+    _equal(dst, src)
+    shutil.copytree(tmp_path / "run2" / "000000000001", tmp_path / "run2" / "000000000007")
+    assert fork.list_steps() == [1]
+    assert fork.load(Mixed(2)).step == 1
+    with pytest.raises(CorruptCheckpointError, match=r"records step 1, expected 7"):
+        fork.load(Mixed(2), step=7)
+    fork.close()
+
+
 def test_a_directory_that_is_not_a_job_is_named_as_such(tmp_path):
     """A URI/JOB whose directory holds no step directories (a storage root given as the
     job, a typo) is reported as not a ckptd job, not as 'only uncommitted attempts'."""
