@@ -581,6 +581,14 @@ def reshard(
     rec = resolve_step(src, job, step)
     in_place = dst.url == src.url and out_job == job
     if not in_place:
+        src_dir, out_dir = f"{src.url.rstrip('/')}/{job}/", f"{dst.url.rstrip('/')}/{out_job}/"
+        if out_dir.startswith(src_dir) or src_dir.startswith(out_dir):
+            raise ConfigError(
+                f"output {out_dir[:-1]} and source {src_dir[:-1]} are nested: one job would be "
+                "stored inside the other's directory, where ckptd ls does not show it and gc "
+                "or removing the job deletes it. Choose an --out beside the source job (e.g. "
+                f"{src.url.rstrip('/')}/{job}-w{world_size}), or omit --out to reshard in place."
+            )
         have = read_commit(dst, out_job, rec.step)
         if have is not None:
             raise ConfigError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,8 +26,9 @@ def split_job_uri(uri: str) -> tuple[str, str]:
     """``URI/JOB`` -> (storage URI, job): the last path component is the job.
 
     ``file:///ckpt/myjob`` -> (``file:///ckpt``, ``myjob``); ``s3://bucket/prefix/myjob``
-    -> (``s3://bucket/prefix``, ``myjob``); ``/ckpt/myjob`` or ``ckpt/myjob`` -> (that
-    directory, ``myjob``).
+    -> (``s3://bucket/prefix``, ``myjob``); ``/ckpt/myjob``, ``ckpt/myjob``,
+    ``~/ckpt/myjob`` or ``file:/ckpt/myjob`` -> (that directory, ``myjob``), as
+    :func:`ckptd.storage.open_storage` reads the same forms.
     """
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError("expected URI/JOB, e.g. file:///ckpt/myjob or s3://bucket/prefix/myjob")
@@ -47,12 +49,23 @@ def split_job_uri(uri: str) -> tuple[str, str]:
             )
         base, job = path.rsplit("/", 1)
         root = f"file://{base or '/'}"
+    elif u.startswith("file:/"):  # RFC 8089's short form of an absolute file URI
+        base, job = u[len("file:"):].rsplit("/", 1)
+        root = f"file://{base or '/'}"
     elif "://" in u:
         raise ConfigError(
             f"storage URI scheme {u.split('://', 1)[0]!r} is not supported in {uri!r}: expected "
             "file:// or s3://"
         )
     else:
+        scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", u)
+        if scheme:  # e.g. 's3:/bucket/job': a mistyped URI must not become a local directory
+            raise ConfigError(
+                f"{uri!r} looks like a URI with scheme {scheme.group(1)!r} but lacks '//': "
+                "expected file:///absolute/path/JOB or s3://bucket[/prefix]/JOB. For a local "
+                "directory whose name contains ':', write it as './name/JOB'"
+            )
+        u = os.path.expanduser(u)
         base, _, job = u.rpartition("/") if "/" in u else ("", "", u)
         root = os.path.abspath(base or ".") if not u.startswith("/") or base else "/"
     if not job:

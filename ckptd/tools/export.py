@@ -284,6 +284,14 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise ConfigError(f"output directory {parent} does not exist")
+    if storage.url.startswith("file://"):
+        job_dir = os.path.realpath(os.path.join(storage.url[len("file://"):], job))
+        if (os.path.realpath(parent) + os.sep).startswith(job_dir + os.sep):
+            raise ConfigError(
+                f"output {out} is inside the checkpoint directory {job_dir} of job {job!r}: "
+                "ckptd gc deletes what it finds there (a file in a step directory counts as "
+                "a leftover attempt). Choose an --out outside the job's directory"
+            )
     t0 = time.monotonic()
     rec = resolve_step(storage, job, step)
     index = read_index(storage, rec)

@@ -111,7 +111,7 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    uri = args.uri.rstrip("/")
+    uri = args.uri.rstrip("/") or args.uri  # '/' stays the root directory
     storage = None
     job = None
     try:
