@@ -591,6 +591,10 @@ class FairscaleAdapter(FrameworkAdapter):
         """Targets for every optimizer state tensor; returns the state to install."""
         new_state: dict[int, dict[str, Any]] = {}
         index = _optim_index(available)
+        # Keys the optimizer keeps per element (some parameter has them with its own shape):
+        # in a flat parameter, the view of a 0-d parameter (a learnable scale) has shape ()
+        # for these keys too, and must not make the whole flat state a scalar.
+        per_element = {k for keys in index.values() for k, m in keys.items() if m.shape}
         for _, p in _group_params(optimizer):
             owner = layout.owner(p)
             fqns = _optim_fqns(owner)
@@ -612,7 +616,7 @@ class FairscaleAdapter(FrameworkAdapter):
                         shape = self._logical_shape(owner, fqn) if c.dim() > 0 else ()
                         optim_names[f"optim/{fqn}/{key}"] = TensorMeta(shape, c.dtype)
                     continue
-                if len(meta.shape) > 0:
+                if len(meta.shape) > 0 or (isinstance(owner, _Storage) and key in per_element):
                     dtype = meta.dtype
                     if p.is_floating_point() and dtype.is_floating_point:
                         dtype = p.dtype  # torch casts floating state to the param's dtype

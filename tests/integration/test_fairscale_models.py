@@ -1,0 +1,89 @@
+"""fairscale FSDP models beyond plain layers, through CheckpointClient (2 gloo ranks, CPU).
+
+The root flat parameter starts with a 0-d parameter (a learnable scale, as CLIP's
+``logit_scale``) and holds a tied weight; a nested instance holds frozen parameters (not in
+the optimizer).  Training is simulated as in ``fairscale_helpers.simulate_step``.  A fresh
+model and a fresh optimizer load every shard and every Adam state tensor bit-exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_world
+from torch import nn
+
+CPU = torch.device("cpu")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))  # first in the root's flat parameter
+        self.emb = nn.Embedding(11, 7)
+        self.block = nn.Sequential(nn.Linear(7, 5), nn.BatchNorm1d(5))
+        self.frozen = nn.Linear(5, 3)
+        self.head = nn.Linear(7, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def build(seed: int) -> nn.Module:
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(seed)
+    m = Net()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape))
+    m.frozen.requires_grad_(False)
+    m.block = FSDP(m.block, compute_device=CPU)
+    m.frozen = FSDP(m.frozen, compute_device=CPU)
+    return FSDP(m, compute_device=CPU)
+
+
+def adam(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def job(rank: int, world: int, root: str) -> None:
+    from ckptd_client import CheckpointClient
+
+    model = build(seed=1)
+    opt = adam(model, lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.5).add_(0.25)
+    for p in params:
+        opt.state[p]["exp_avg"].copy_(p.detach() * 3.0 + 1.0)
+        opt.state[p]["exp_avg_sq"].copy_(p.detach() * p.detach() + 0.5)
+        p.grad = None
+    client = CheckpointClient("scalar", storage=f"file://{root}")
+    client.save(model, optimizer=opt, step=3)
+
+    fresh = build(seed=2)
+    fresh_opt = adam(fresh, lr=0.5)
+    info = client.load(fresh, optimizer=fresh_opt)
+    client.close()
+    assert not info.missing_keys and not info.unexpected_keys
+    assert fresh_opt.param_groups[0]["lr"] == 1e-3
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.data, q.data)
+        if p.requires_grad:
+            for key, v in opt.state[p].items():
+                got = fresh_opt.state[q][key]
+                assert got.shape == v.shape and torch.equal(got, v), key
+        else:
+            assert q not in fresh_opt.state
+    for (name, b), (_, c) in zip(model.named_buffers(), fresh.named_buffers(), strict=True):
+        assert torch.equal(b, c), name
+
+
+@pytest.mark.slow
+def test_fairscale_scalar_tied_and_frozen_parameters(tmp_path: Any) -> None:
+    run_world(job, 2, str(tmp_path))
