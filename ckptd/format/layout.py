@@ -12,6 +12,7 @@ Everything here is a pure function of shapes and world sizes, tested exhaustivel
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -176,15 +177,23 @@ def balance_owners(sizes: Sequence[int], world: int) -> list[int]:
     """Assign each replicated tensor (by byte size) one writing rank, balancing bytes.
 
     Deterministic: every rank computes the same answer from the same list.  Greedy
-    largest-first onto the least-loaded rank (ties to the lowest rank).
+    largest-first onto the least-loaded rank (ties to the lowest rank).  O(n log n) whatever
+    the world size (a reshard plans every one of ``world`` destination ranks with it).
     """
     if world < 1:
         raise ValueError(f"world size must be >= 1, got {world}")
     order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-    load = [0] * world
     owners = [0] * len(sizes)
+    # (load, rank) of every rank that was given a tensor; the others have load 0, and the
+    # lowest of them is ``fresh``
+    heap: list[tuple[int, int]] = []
+    fresh = 0
     for i in order:
-        r = min(range(world), key=lambda k: (load[k], k))
+        if fresh < world and (not heap or (0, fresh) < heap[0]):
+            load, r = 0, fresh
+            fresh += 1
+        else:
+            load, r = heapq.heappop(heap)
         owners[i] = r
-        load[r] += sizes[i]
+        heapq.heappush(heap, (load + sizes[i], r))
     return owners
