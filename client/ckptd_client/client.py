@@ -112,6 +112,16 @@ def _broadcast_str(value: str, group: Any = None) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
 
 
+def _all_ranks(flag: bool, group: Any = None) -> bool:
+    """True iff ``flag`` is true on every rank of ``group`` (a one-integer all-reduce)."""
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
+    return bool(buf.item())
+
+
 @dataclass
 class _Counters:
     saves: int = 0
@@ -285,8 +295,9 @@ class CheckpointClient:
         phases["acquire"] = time.perf_counter() - t2
         if lease is None:
             self._counters.skipped += 1
-            log.warning("ckptd: skipped save of step %d: the previous save is still being "
-                        "written (backpressure=skip; %d skipped so far)", step,
+            log.warning("ckptd: skipped save of step %d: the previous save of this rank or "
+                        "another is still being written (backpressure=skip; %d skipped so "
+                        "far)", step,
                         self._counters.skipped)
             info = CheckpointInfo(self.job, step, ident.attempt, self.world_size, framework,
                                   self._transport.url, skipped=True)
@@ -356,15 +367,29 @@ class CheckpointClient:
             self._counters.last_error = exc
 
     def _acquire(self, nbytes: int) -> Lease | None:
-        lease = self._transport.acquire(nbytes, block=False)
+        together = self.backpressure != "block" and self.world_size > 1
+        try:
+            lease = self._transport.acquire(nbytes, block=False)
+        except BaseException:
+            if together:
+                _all_ranks(False, self.group)  # the other ranks skip this step, not hang
+            raise
+        if together:
+            # the ranks skip (or raise) together: a step that one rank skipped can never
+            # commit, and the ranks that did hand it over would wait commit_timeout for it
+            if not _all_ranks(lease is not None, self.group):
+                if lease is not None:
+                    lease.release()
+                lease = None
         if lease is not None:
             return lease
         if self.backpressure == "skip":
             return None
         if self.backpressure == "error":
             raise BackpressureError(
-                f"cannot stage {nbytes} bytes: the previous save of this rank is still being "
-                "written and the staging budget is in use (backpressure='error'). Save less "
+                f"cannot stage {nbytes} bytes: the previous save of this rank (or of another "
+                "rank: the ranks skip a step together) is still being written and the staging "
+                "budget is in use (backpressure='error'). Save less "
                 "often, raise the staging budget, or use backpressure='block'/'skip'."
             )
         lease = self._transport.acquire(nbytes, block=True)

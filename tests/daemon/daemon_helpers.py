@@ -205,3 +205,46 @@ def daemon_crash_rank(rank: int, world: int, root: str, sock: str, gate: str,
     finally:
         if daemon is not None:
             daemon.stop()
+
+
+def backpressure_ranks_rank(rank: int, world: int, root: str, address: str) -> None:
+    """Rank 1 alone has no free staging (it holds both of its segments, or the embedded
+    buffer): with 'skip' every rank skips that step, with 'error' every rank raises; the
+    rank that had room does not hand over a step that could never commit."""
+    from ckptd_client import CheckpointClient
+
+    from ckptd.errors import BackpressureError
+    from ckptd.format.commit import committed_steps
+    from ckptd.storage import open_storage
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 64)
+    store = f"file://{root}/store"
+    for mode in ("daemon", "embedded"):
+        job = f"bp-ranks-{mode}"
+        where = {"daemon": address} if mode == "daemon" else {"storage": store}
+        c = CheckpointClient(job, backpressure="skip", commit_timeout=30, **where)
+        held = []
+        if rank == 1:
+            for _ in range(2 if mode == "daemon" else 1):
+                held.append(c._transport.acquire(1 << 16, block=False))
+            assert all(held)
+        h = c.save_async(m, step=1)
+        assert h.result(60).skipped, f"{mode} rank {rank}: step 1 must be skipped everywhere"
+        assert c.stats["skipped"] == 1
+        c.backpressure = "error"
+        try:
+            c.save_async(m, step=2)
+            raise AssertionError(f"{mode} rank {rank}: step 2 must raise on every rank")
+        except BackpressureError:
+            pass
+        for lease in held:
+            lease.release()
+        c.backpressure = "skip"
+        assert not c.save_async(m, step=3).result(60).skipped
+        dist.barrier()
+        assert committed_steps(open_storage(store), job) == [3]
+        m2 = torch.nn.Linear(64, 64)
+        assert c.load(m2).step == 3
+        assert torch.equal(m2.weight, m.weight) and torch.equal(m2.bias, m.bias)
+        c.close()
