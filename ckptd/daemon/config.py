@@ -8,6 +8,7 @@ daemon reads ``CKPTD_*`` settings, including the test-only hooks at the end.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -33,12 +34,85 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
+    if not m or m.group(2).lower() not in _UNITS or not math.isfinite(float(m.group(1))):
         raise ConfigError(
             f"size {text!r} is invalid: expected a number with an optional unit such as "
             "16GiB, 512MiB, 8GB or 4096"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds (``nan`` and ``inf`` are refused)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number of seconds")
+    return value
+
+
+#: what each converter of ``_FLAGS`` expects, for the error message of a bad value
+_EXPECTED = {int: "an integer", _seconds: "a finite number of seconds, e.g. 600 or 2.5",
+             str: "a string"}
+
+
+def _convert(conv: object, raw: str) -> object:
+    """``conv(raw)``; a ConfigError that says what was expected and what was found."""
+    try:
+        return conv(raw)  # type: ignore[operator]
+    except ConfigError:
+        raise
+    except ValueError:
+        raise ConfigError(f"expected {_EXPECTED.get(conv, 'a valid value')}, got {raw!r}"
+                          ) from None
+
+
+def _argparse_type(conv: object) -> object:
+    """``conv`` for argparse: its message, not argparse's "invalid <function> value"."""
+    def convert(raw: str) -> object:
+        try:
+            return _convert(conv, raw)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = getattr(conv, "__name__", "value")
+    return convert
+
+
+def memory_limit() -> int | None:
+    """Bytes of memory this process can have: the smaller of the node's MemTotal and the
+    memory cgroup's limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``)."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    limits.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            limits.append(int(raw))
+        break
+    return min(limits) if limits else None
+
+
+def check_staging_fits(staging_bytes: int, limit: int | None = None) -> None:
+    """Refuse a staging budget larger than the memory the daemon can have: segments are
+    pre-faulted memory charged to the daemon, so such a budget is never a limit -- the
+    kernel's OOM killer would be instead."""
+    limit = memory_limit() if limit is None else limit
+    if limit is not None and staging_bytes > limit:
+        raise ConfigError(
+            f"--staging-bytes {staging_bytes} ({staging_bytes / 2**30:.1f} GiB) is more than the "
+            f"memory this daemon can have ({limit} bytes, {limit / 2**30:.1f} GiB: the node's "
+            "MemTotal or the memory cgroup's limit). Staging segments are memory charged to the "
+            "daemon; pick a budget well below that (the shard bytes of every rank on the node, "
+            "x1-2; see docs/OPERATIONS.md)")
 
 
 def _bool_env(value: str) -> bool:
@@ -115,8 +189,9 @@ class DaemonConfig:
         if not 0 <= self.storage_retry_s <= 3600:
             raise ConfigError(f"--storage-retry-s must be in [0, 3600] seconds, got "
                               f"{self.storage_retry_s}")
-        if self.drain_timeout < 0:
-            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+        if not (math.isfinite(self.drain_timeout) and self.drain_timeout >= 0):
+            raise ConfigError(f"--drain-timeout must be a number of seconds >= 0, got "
+                              f"{self.drain_timeout}")
         if self.log_format not in ("json", "text"):
             raise ConfigError(f"--log-format must be json or text, got {self.log_format!r}")
         return self
@@ -147,8 +222,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "metrics_port": (int, "Prometheus /metrics port (default 9400; 0 = off)"),
     "keep_last": (int, "retention after each commit: keep the last K checkpoints"),
     "keep_every": (int, "retention after each commit: also keep every M-th step"),
-    "drain_timeout": (float, "seconds SIGTERM waits for in-flight saves (default 600)"),
-    "storage_retry_s": (float, ("seconds a failing object-store write or delete is retried "
+    "drain_timeout": (_seconds, "seconds SIGTERM waits for in-flight saves (default 600)"),
+    "storage_retry_s": (_seconds, ("seconds a failing object-store write or delete is retried "
                                 "before its save fails (S3; default 300; at most 100 attempts): the daemon holds the "
                                 "bytes, so an outage shorter than this loses no checkpoint")),
     "log_format": (str, "json or text (default text)"),
@@ -162,7 +237,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict = {"dest": name, "default": None,
                         "help": f"{help_} [env CKPTD_{name.upper()}]"}
         if conv is not str:
-            kwargs["type"] = conv
+            kwargs["type"] = _argparse_type(conv)
         if name == "log_format":
             kwargs["choices"] = ["json", "text"]
         parser.add_argument(flag, **kwargs)
@@ -180,8 +255,8 @@ def from_args(args: argparse.Namespace | None = None,
             if raw is None or raw == "":
                 continue
             try:
-                value = conv(raw)  # type: ignore[operator]
-            except ValueError as exc:
+                value = _convert(conv, raw)
+            except ConfigError as exc:
                 raise ConfigError(f"CKPTD_{name.upper()}={raw!r} is invalid: {exc}") from None
         setattr(cfg, name, value)
     for f in fields(cfg):

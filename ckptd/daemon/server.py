@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ckptd import __version__
 from ckptd.daemon import logs
 from ckptd.daemon.budget import ByteBudget
-from ckptd.daemon.config import MAX_CONCURRENT_RPCS, DaemonConfig
+from ckptd.daemon.config import MAX_CONCURRENT_RPCS, DaemonConfig, check_staging_fits
 from ckptd.daemon.fdsocket import FdServer
 from ckptd.daemon.metrics import Metrics, serve_metrics
 from ckptd.daemon.pipeline import WritePipeline
@@ -232,6 +232,7 @@ async def run(cfg: DaemonConfig) -> int:
     if cfg.shm_dir:
         log.info("--shm-dir %s ignored: staging segments are sealed memfds (no directory)",
                  cfg.shm_dir)
+    check_staging_fits(cfg.staging_bytes)
     tls = _tls_material(cfg) if cfg.listen else None
     storage = open_storage(cfg.storage)
     # the write pipeline and retention ride out a storage outage for --storage-retry-s

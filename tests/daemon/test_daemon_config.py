@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -64,3 +65,39 @@ def test_refusals(argv, match):
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="CKPTD_WRITE_CONCURRENCY"):
         parse([], {"CKPTD_STORAGE": "file:///x", "CKPTD_WRITE_CONCURRENCY": "many"})
+
+
+def test_bad_values_say_what_was_expected(capsys):
+    """argparse shows the converter's message (not "invalid parse_size value"); nan/inf
+    seconds and sizes are refused, from flags and from CKPTD_* variables alike."""
+    for argv, want in ((["--staging-bytes", "-5"], "16GiB, 512MiB"),
+                       (["--staging-bytes", "1e400"], "16GiB, 512MiB"),
+                       (["--write-concurrency", "x"], "expected an integer, got 'x'"),
+                       (["--drain-timeout", "nan"], "finite number of seconds"),
+                       (["--storage-retry-s", "inf"], "finite number of seconds")):
+        with pytest.raises(SystemExit):
+            parse(["--storage", "file:///x", *argv])
+        err = capsys.readouterr().err
+        assert want in err, err
+    with pytest.raises(ConfigError, match="CKPTD_DRAIN_TIMEOUT.*finite number of seconds"):
+        parse([], {"CKPTD_STORAGE": "file:///x", "CKPTD_DRAIN_TIMEOUT": "nan"})
+
+
+def test_staging_budget_beyond_memory_is_refused_at_startup(tmp_path):
+    import subprocess
+    import sys
+
+    from ckptd.daemon.config import check_staging_fits, memory_limit
+
+    limit = memory_limit()
+    assert limit is not None and limit > 0
+    check_staging_fits(1 << 30, limit=2 << 30)
+    with pytest.raises(ConfigError, match="more than the memory"):
+        check_staging_fits(3 << 30, limit=2 << 30)
+    out = subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "serve", "--storage", f"file://{tmp_path}/s",
+         "--socket", f"{tmp_path}/run/x.sock", "--metrics-port", "0",
+         "--staging-bytes", str(limit + (1 << 30))], capture_output=True, text=True,
+        timeout=60, check=False)
+    assert out.returncode == 2 and "more than the memory" in out.stderr, out.stderr
+    assert not os.path.exists(f"{tmp_path}/run/x.sock")
