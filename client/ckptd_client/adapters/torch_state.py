@@ -230,6 +230,31 @@ def apply_hyperparameters(groups: list[dict[str, Any]], saved: list[dict[str, An
                 g[k] = v
 
 
+def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                           action: str) -> None:
+    """ConfigError unless every parameter the optimizer holds is a parameter of ``model``.
+
+    torch's ``get_optimizer_state_dict`` names an optimizer's parameters through the model
+    and fails with a bare ``KeyError: 0`` for one it cannot find; the usual cause is an
+    optimizer built before the model was sharded (``fully_shard`` and ``FSDP(...)`` replace
+    the parameters, so such an optimizer updates tensors the model no longer uses).
+    """
+    own = {id(p) for p in model.parameters()}
+    stray = [(gi, pi, p) for gi, g in enumerate(optimizer.param_groups)
+             for pi, p in enumerate(g["params"]) if id(p) not in own]
+    if not stray:
+        return
+    gi, pi, p = stray[0]
+    total = sum(len(g["params"]) for g in optimizer.param_groups)
+    raise ConfigError(
+        f"cannot {action}: {len(stray)} of the optimizer's {total} parameters are not "
+        f"parameters of the model (the first: param group {gi}, parameter {pi}, shape "
+        f"{list(p.shape)}). Usually the optimizer was built before the model was wrapped: "
+        "fully_shard / FSDP(...) replace the parameters, so build the optimizer from "
+        "model.parameters() after wrapping (or pass the model the optimizer was built for)."
+    )
+
+
 def _resolve(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str] | None:
     """The (module, attribute) that holds state entry ``fqn`` (clean FQN; DDP's ``module.``
     and torch.compile's ``_orig_mod.`` prefixes are tried too), or None."""
@@ -315,6 +340,7 @@ class TorchAdapter(FrameworkAdapter):
         groups: list[dict[str, Any]] = []
         osd: dict[str, Any] = {"state": {}, "param_groups": []}
         if optimizer is not None:
+            check_optimizer_params(model, optimizer, "save")
             fresh = not optimizer.state
             osd = get_optimizer_state_dict(model, optimizer, options=opts)
             if fresh:
@@ -389,6 +415,8 @@ class TorchAdapter(FrameworkAdapter):
         )
 
         self.framework = framework_of(model)
+        if optimizer is not None:
+            check_optimizer_params(model, optimizer, "load")
         opts = StateDictOptions(full_state_dict=False, strict=False)
         msd = _model_state_dict(model, opts)
         targets: list[LoadTarget] = []

@@ -1,0 +1,41 @@
+"""Mistakes a PyTorch user makes with the embedded client, on one process: each is a clear
+ckptd error that names the cause, and nothing is saved or changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckptd_client import CheckpointClient
+
+from ckptd.errors import CheckpointNotFoundError, ConfigError
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+
+
+def test_optimizer_over_other_parameters_is_a_clear_error(tmp_path):
+    """An optimizer that holds parameters the model does not have (built before the model
+    was sharded, which replaces its parameters, or for another instance): torch's own state
+    dict function fails with a bare KeyError: 0 there."""
+    model = _net()
+    stale = torch.optim.Adam(_net().parameters())
+    client = CheckpointClient("stale", storage=f"file://{tmp_path}")
+    with pytest.raises(ConfigError, match=r"cannot save: 4 of the optimizer's 4 parameters are "
+                                          r"not parameters of the model .*shape \[6, 4\].*after "
+                                          r"wrapping"):
+        client.save(model, optimizer=stale, step=1)
+    with pytest.raises(CheckpointNotFoundError):
+        client.load(model)  # nothing was committed
+
+    client.save(model, optimizer=torch.optim.Adam(model.parameters()), step=2)
+    fresh = _net()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    mixed = torch.optim.Adam([{"params": fresh.parameters()},
+                              {"params": [torch.nn.Parameter(torch.zeros(2))]}])
+    with pytest.raises(ConfigError, match=r"cannot load: 1 of the optimizer's 5 parameters .*"
+                                          r"param group 1, parameter 0, shape \[2\]"):
+        client.load(fresh, optimizer=mixed)
+    assert not mixed.state
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    client.close()
