@@ -367,12 +367,12 @@ def _scalar_tensor(key: str, v: Any) -> torch.Tensor:
 
 
 def _optim_index(available: Mapping[str, TensorMeta]) -> dict[str, dict[str, TensorMeta]]:
-    """``optim/<fqn>/<key>`` entries of the checkpoint as fqn -> key -> meta (fqns have no
-    ``/``)."""
+    """``optim/<fqn>/<key>`` entries of the checkpoint as fqn -> key -> meta (the key is
+    after the last ``/``: a module name, e.g. a ModuleDict key, may hold one)."""
     index: dict[str, dict[str, TensorMeta]] = {}
     for name, meta in available.items():
         if name.startswith("optim/"):
-            fqn, sep, key = name[len("optim/") :].partition("/")
+            fqn, sep, key = name[len("optim/") :].rpartition("/")
             if sep:
                 index.setdefault(fqn, {})[key] = meta
     return index
