@@ -232,12 +232,25 @@ class CheckpointReader:
 
     # -- copy planning -------------------------------------------------------------------
     def _ops(self, t: TensorRecord, name: str, want: Region) -> list[tuple[_Fetch, object]]:
-        """(fetch, copy-spec) pairs that produce region ``want`` of tensor ``name``."""
+        """(fetch, copy-spec) pairs that produce region ``want`` of tensor ``name``.
+
+        Raises CorruptCheckpointError unless the pieces lie inside the tensor and cover
+        ``want`` (pieces never overlap), so a damaged index never leaves part of a loaded
+        tensor unset."""
         ops: list[tuple[_Fetch, object]] = []
+        covered = 0
         for p in t.pieces:
+            if len(p.region.shape) != len(t.shape) or any(
+                    s > d for s, d in zip(p.region.stops, t.shape)):
+                raise CorruptCheckpointError(
+                    f"tensor {name!r} of shape {list(t.shape)} records a piece at offsets "
+                    f"{list(p.region.offsets)} of shape {list(p.region.shape)}, outside the "
+                    "tensor; the index is damaged. Run `ckptd verify` and load an earlier step."
+                )
             inter = intersect(p.region, want)
             if inter is None:
                 continue
+            covered += inter.numel
             if p.pack is not None:
                 ops.append((self._pack_fetch(p), ("pack", p, inter)))
             elif p.flat_start is not None:
@@ -265,6 +278,13 @@ class CheckpointReader:
                 for coords in chunks_overlapping(a_reg, arr.chunk_shape) if a_reg.shape else [()]:
                     ops.append((self._chunk_fetch(p.array, coords),
                                 ("chunk", p, inter, a_reg, coords, arr)))
+        if covered != want.numel:
+            raise CorruptCheckpointError(
+                f"tensor {name!r}: the stored pieces hold {covered} of the {want.numel} elements "
+                f"of region offsets {list(want.offsets)} shape {list(want.shape)} (tensor shape "
+                f"{list(t.shape)}, {len(t.pieces)} pieces); the checkpoint is incomplete or its "
+                "index is damaged. Run `ckptd verify` and load an earlier step."
+            )
         return ops
 
     def _apply(self, spec: tuple, data: memoryview, out: torch.Tensor, want: Region,

@@ -190,6 +190,27 @@ def test_missing_and_truncated_chunk(tmp_path):
     c.close()
 
 
+@pytest.mark.parametrize("damage", ["no pieces", "piece outside the tensor"])
+def test_an_index_whose_pieces_do_not_cover_a_tensor_is_refused(tmp_path, damage):
+    """index.json has no checksum: pieces that leave part of a tensor uncovered (or lie
+    outside it) fail the load, naming the tensor, instead of leaving elements unset."""
+    c = CheckpointClient("pieces", storage=_uri(tmp_path), pack_threshold=0)
+    c.save(Mixed(0), step=1)
+    path = _committed_attempt_dir(tmp_path, "pieces", 1) / "index.json"
+    d = json.loads(path.read_text())
+    t = d["tensors"]["model/w32"]
+    if damage == "no pieces":
+        t["pieces"] = []
+        match = r"tensor 'model/w32': the stored pieces hold 0 of the 2100 elements"
+    else:
+        t["pieces"][0]["region"]["offsets"] = [1, 0]
+        match = r"tensor 'model/w32' of shape \[300, 7\] records a piece at offsets \[1, 0\]"
+    path.write_text(json.dumps(d))
+    with pytest.raises(CorruptCheckpointError, match=match):
+        c.load(Mixed(1))
+    c.close()
+
+
 @pytest.mark.parametrize("doc", ["COMMITTED", "index.json"])
 def test_unknown_format_version_is_refused(tmp_path, doc):
     c = CheckpointClient("future", storage=_uri(tmp_path))
