@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 
-from ckptd.errors import ConfigError
+from ckptd.errors import CkptdError, ConfigError, StorageError
 from ckptd.format import paths
 from ckptd.format.commit import read_index, resolve_step
 from ckptd.format.dtypes import check_name, dtype_from_name, itemsize
@@ -341,11 +341,17 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
             os.fsync(f.fileno())
         verifier.finish()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:  # never created (or cannot be named): the error below says why
             pass
+        if isinstance(exc, OSError) and not isinstance(exc, CkptdError):  # the output file
+            raise StorageError(
+                f"writing {out} failed: {type(exc).__name__}: {exc}. Expected a writable "
+                f"directory with room for {human_bytes(total)}; nothing was written there. "
+                "Free space or choose another --out"
+            ) from exc
         raise
     finally:
         ex.close()

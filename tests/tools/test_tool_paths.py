@@ -63,3 +63,14 @@ def test_outputs_inside_a_job_directory_are_refused(tmp_path, capsys):
                  f"{tmp_path}/job-w3"]) == 0
     assert main(["export", f"{tmp_path}/job-w3", "--format", "safetensors", "--out",
                  str(tmp_path / "job-w3.safetensors")]) == 0
+
+
+def test_an_output_that_cannot_be_written_is_a_ckptd_error(tmp_path, capsys):
+    storage = open_storage(str(tmp_path))
+    write_step(storage, "job", 5, "att", world=2)
+    out = tmp_path / ("x" * 250 + ".safetensors")  # longer than a file name may be
+    capsys.readouterr()
+    assert main(["export", f"{tmp_path}/job", "--format", "safetensors", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"writing {out} failed" in err and "choose another --out" in err
+    assert sorted(os.listdir(tmp_path)) == ["job"]
