@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -209,12 +210,23 @@ def _grpc_options(cfg: DaemonConfig) -> list[tuple[str, Any]]:
 
 def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
     assert cfg.tls_cert and cfg.tls_key and cfg.token_file
-    with open(cfg.tls_key, "rb") as f:
-        key = f.read()
-    with open(cfg.tls_cert, "rb") as f:
-        cert = f.read()
-    with open(cfg.token_file) as f:
-        token = f.read().strip()
+    files = {}
+    for flag, path in (("--tls-key", cfg.tls_key), ("--tls-cert", cfg.tls_cert),
+                       ("--token-file", cfg.token_file)):
+        try:
+            with open(path, "rb") as f:
+                files[flag] = f.read()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path} cannot be read ({exc.strerror})") from exc
+    key, cert = files["--tls-key"], files["--tls-cert"]
+    try:   # grpc reports a bad certificate or key only as "failed to bind"
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            cfg.tls_cert, cfg.tls_key)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"--tls-cert {cfg.tls_cert} and --tls-key {cfg.tls_key} are not a PEM certificate "
+            f"(chain) and its private key ({exc.reason or exc})") from exc
+    token = files["--token-file"].decode(errors="replace").strip()
     if len(token) < 16:
         raise ConfigError(f"the token in {cfg.token_file} is shorter than 16 characters; "
                           "use a long random token (e.g. `openssl rand -hex 32`)")
@@ -264,27 +276,55 @@ async def run(cfg: DaemonConfig) -> int:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         return server
 
-    prepare_socket_dir(cfg.socket, cfg.socket_group)
-    _clear_stale(cfg.socket, socket.SOCK_STREAM)
-    _clear_stale(cfg.fd_socket, socket.SOCK_SEQPACKET)
-    unix_server = make_server(True, [])
+    # the TCP port and the metrics port are bound before the Unix socket (which clients and
+    # `ckptd health` look for), and whatever was started is stopped again if a later step
+    # fails: a daemon that cannot start says why and leaves nothing serving
+    servers: list[grpc.aio.Server] = []
+    metrics_server = None
     fd_server = FdServer(pool, cfg.fd_socket)
-    with umask(0o117):
-        if unix_server.add_insecure_port("unix:" + cfg.socket) == 0:
-            raise ConfigError(f"cannot listen on unix:{cfg.socket}")
-        fd_server.bind()
-        await unix_server.start()
-    fd_server.start()
-    servers = [unix_server]
-    if cfg.listen:
-        assert tls is not None
-        key, cert, token = tls
-        tcp_server = make_server(False, [TokenInterceptor(token)])
-        if tcp_server.add_secure_port(cfg.listen, grpc.ssl_server_credentials([(key, cert)])) == 0:
-            raise ConfigError(f"cannot listen on {cfg.listen}")
-        await tcp_server.start()
-        servers.append(tcp_server)
-    metrics_server = serve_metrics(metrics, cfg.metrics_port) if cfg.metrics_port else None
+    try:
+        tcp_server = None
+        if cfg.listen:
+            assert tls is not None
+            key, cert, token = tls
+            tcp_server = make_server(False, [TokenInterceptor(token)])
+            servers.append(tcp_server)
+            try:
+                bound = tcp_server.add_secure_port(
+                    cfg.listen, grpc.ssl_server_credentials([(key, cert)]))
+            except RuntimeError:   # grpcio >= 1.60 raises instead of returning 0
+                bound = 0
+            if bound == 0:
+                raise ConfigError(
+                    f"cannot listen on --listen {cfg.listen}: the port is in use or the host "
+                    "is not an address of this node; pick another HOST:PORT")
+        if cfg.metrics_port:
+            try:
+                metrics_server = serve_metrics(metrics, cfg.metrics_port)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot serve /metrics on --metrics-port {cfg.metrics_port} ({exc}); pick "
+                    "a free port, or 0 to turn metrics off") from exc
+        prepare_socket_dir(cfg.socket, cfg.socket_group)
+        _clear_stale(cfg.socket, socket.SOCK_STREAM)
+        _clear_stale(cfg.fd_socket, socket.SOCK_SEQPACKET)
+        unix_server = make_server(True, [])
+        servers.insert(0, unix_server)
+        with umask(0o117):
+            if unix_server.add_insecure_port("unix:" + cfg.socket) == 0:
+                raise ConfigError(f"cannot listen on unix:{cfg.socket}")
+            fd_server.bind()
+            await unix_server.start()
+        fd_server.start()
+        if tcp_server is not None:
+            await tcp_server.start()
+    except BaseException:
+        await fd_server.close()
+        for s in servers:
+            await s.stop(None)
+        if metrics_server is not None:
+            metrics_server.shutdown()  # type: ignore[attr-defined]
+        raise
 
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -95,3 +95,46 @@ def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypat
     assert "Unix socket" in ei.value.details()
     channel.close()
     assert check_health("unix:" + d.socket) == "SERVING"
+
+
+def test_startup_failures_say_why_and_leave_nothing_serving(tmp_path):
+    """A bad certificate or key, a busy TCP port or a busy metrics port: exit 2 with a
+    one-line reason (no traceback), and no Unix socket left for clients to find."""
+    import socket
+    import sys
+
+    d = str(tmp_path)
+    cert, key = _self_signed(d)
+    os.mkdir(os.path.join(d, "other"))
+    _cert2, key2 = _self_signed(os.path.join(d, "other"))
+    token = os.path.join(d, "token")
+    with open(token, "w") as f:
+        f.write("0123456789abcdef0123")
+    garbage = os.path.join(d, "garbage.pem")
+    with open(garbage, "w") as f:
+        f.write("not a certificate\n")
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    sock = os.path.join(d, "run", "x.sock")
+
+    def serve(*args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, "-m", "ckptd.cli", "serve", "--storage", f"file://{d}/store",
+             "--socket", sock, *args], capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert not os.path.exists(sock), out.stderr
+        return out.stderr
+
+    tls = ("--tls-cert", cert, "--tls-key", key, "--token-file", token, "--metrics-port", "0")
+    free = f"127.0.0.1:{free_port()}"
+    assert "not a PEM certificate" in serve("--listen", free, *tls[:1], garbage, "--tls-key",
+                                            garbage, *tls[4:])
+    assert "KEY_VALUES_MISMATCH" in serve("--listen", free, *tls[:3], key2, *tls[4:])
+    assert "--token-file" in serve("--listen", free, *tls[:5], os.path.join(d, "nope"),
+                                   *tls[6:])
+    assert f"cannot listen on --listen 127.0.0.1:{port}" in serve(
+        "--listen", f"127.0.0.1:{port}", *tls)
+    assert f"--metrics-port {port}" in serve("--metrics-port", str(port))
+    busy.close()
