@@ -22,7 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptd.errors import BackpressureError, ConfigError, StateMismatchError
+from ckptd.errors import (
+    BackpressureError,
+    CkptdError,
+    ConfigError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
 from ckptd.format import paths
 from ckptd.format.commit import list_steps as _list_steps
 from ckptd.format.commit import read_index, resolve_step
@@ -553,8 +559,13 @@ class CheckpointClient:
         targets = [t for t in plan.targets if t.name not in skip]
         prefix = paths.attempt_prefix(rec.job, rec.step, rec.attempt)
         with CheckpointReader(storage, index, prefix) as reader:  # closing frees its window
-            reader.read_targets(targets)
-            plan.finish(saved_groups)
+            try:
+                reader.read_targets(targets)
+                plan.finish(saved_groups)
+            except CkptdError as exc:  # e.g. a damaged chunk: raised again, saying what now
+                if fresh_optim:
+                    optimizer.state.clear()  # type: ignore[union-attr]
+                raise _partly_loaded(exc, storage, rec, optimizer is not None) from exc
 
             mine = self.rank if self.rank in index.extras else 0
             doc = index.extras.get(mine) or {}
@@ -634,6 +645,28 @@ def _check_not_meta(items: list[SaveItem], step: int) -> None:
         "ckptd saves real values only. Materialize the model first: `model.to_empty(device=...)`, "
         "then initialize its parameters (e.g. `reset_parameters()`) or load a checkpoint into "
         "it, then save."
+    )
+
+
+def _partly_loaded(exc: CkptdError, storage: Any, rec: Any, optim: bool) -> CkptdError:
+    """``exc`` (raised while a load was filling the model) again, as the same class, saying
+    that the model is now partly overwritten and what to do: for damaged data, which other
+    steps can be loaded."""
+    what = "model and optimizer" if optim else "model"
+    todo = "load again once the cause is fixed"
+    if isinstance(exc, CorruptCheckpointError):
+        try:
+            others = [s.step for s in _list_steps(storage, rec.job)
+                      if s.committed and s.step != rec.step]
+            steps = f"the other committed steps are {others}" if others else (
+                "no other step is committed")
+        except Exception:  # noqa: BLE001 - only a hint
+            steps = "`ckptd ls` lists the committed steps"
+        todo = f"load another step (`load(..., step=N)`; {steps})"
+    return type(exc)(
+        f"loading step {rec.step} of job {rec.job!r} failed after it had begun to overwrite the "
+        f"{what}: {exc} The {what} now hold values of step {rec.step} only in part: {todo}, or "
+        "rebuild them before training on."
     )
 
 

@@ -190,6 +190,43 @@ def test_missing_and_truncated_chunk(tmp_path):
     c.close()
 
 
+def test_damaged_data_of_the_latest_step_says_the_model_is_partly_loaded_and_what_to_load(
+        tmp_path):
+    """A chunk of the latest step is gone: load() fails (it never falls back on its own, as
+    ranks could fall back differently), says the model now holds that step only in part and
+    names the other committed steps; the optimizer it had to fill is left empty; loading
+    the earlier step then restores everything bit-exactly."""
+    def build(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2))
+        return m, torch.optim.Adam(m.parameters())
+
+    m, opt = build(0)
+    c = CheckpointClient("partly", storage=_uri(tmp_path), pack_threshold=0)
+    for step in (1, 2):
+        m(torch.randn(3, 40)).sum().backward()
+        opt.step()
+        c.save(m, opt, step=step)
+        if step == 1:
+            want, want_opt = build(9)
+            c.load(want, want_opt)
+    (_committed_attempt_dir(tmp_path, "partly", 2) / "optim" / "1.weight" / "exp_avg_sq" / "c"
+     / "0" / "0").unlink()
+    dst, dst_opt = build(5)
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"(?s)loading step 2 of job 'partly' failed after it had begun to "
+                             r"overwrite the model and optimizer: array "
+                             r"'optim/1.weight/exp_avg_sq' chunk 0.0 is missing.* the other "
+                             r"committed steps are \[1\]"):
+        c.load(dst, dst_opt)
+    assert not dst_opt.state
+    assert c.load(dst, dst_opt, step=1).step == 1
+    _equal(dst, want)
+    got, exp = dst_opt.state_dict()["state"], want_opt.state_dict()["state"]
+    assert all(torch.equal(got[i][k], exp[i][k]) for i in exp for k in exp[i])
+    c.close()
+
+
 @pytest.mark.parametrize("damage", ["no pieces", "piece outside the tensor"])
 def test_an_index_whose_pieces_do_not_cover_a_tensor_is_refused(tmp_path, damage):
     """index.json has no checksum: pieces that leave part of a tensor uncovered (or lie
