@@ -407,3 +407,18 @@ def test_socket_directory_and_socket_modes(daemons: Daemons):
         check=False)
     assert second.returncode == 2 and "already serving" in second.stderr
     assert check_health("unix:" + d.socket) == "SERVING"
+
+
+def test_address_typos_and_a_missing_socket_say_what_to_do(tmp_path):
+    from ckptd_client.transport.daemon import DaemonTransport, parse_address
+
+    from ckptd.errors import DaemonUnavailableError
+
+    for bad in ("http://host:7000", "host:7000/x", "tcp://", "unix://relative/x.sock", "host"):
+        with pytest.raises(ConfigError, match="expected unix:///"):
+            parse_address(bad)
+    assert parse_address("tcp://h:7000") == ("tcp", "h:7000")
+    sock = f"{tmp_path}/run/ckptd.sock"
+    with pytest.raises(DaemonUnavailableError, match=f"no ckptd daemon socket at {sock}.*"
+                                                     f"ckptd serve --socket {sock}"):
+        DaemonTransport("unix://" + sock, job="j", rank=0, world_size=1, connect_timeout=0.5)

@@ -100,7 +100,7 @@ def parse_address(address: str) -> tuple[str, str]:
     for prefix in ("tcp://", "grpcs://", "dns:///"):
         a = a.removeprefix(prefix)
     host, sep, port = a.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not host or not port.isdigit() or "/" in a:
         raise ConfigError(
             f"daemon address {address!r} is invalid: expected unix:///run/ckptd/ckptd.sock or "
             "HOST:PORT (TCP with TLS)")
@@ -282,7 +282,18 @@ class DaemonTransport(Transport):
         self.last_phases: dict[str, float] = {}
         self._plan_json: tuple[RankPlan, bytes] | None = None
         with self._lock:
-            session = self._ensure_session()
+            try:
+                session = self._ensure_session()
+            except DaemonUnavailableError as exc:
+                if self.local and not os.path.exists(target):
+                    self._channel.close()
+                    self._starter.close()
+                    raise DaemonUnavailableError(
+                        f"no ckptd daemon socket at {target} (waited {connect_timeout:.0f}s "
+                        f"for it): start `ckptd serve --socket {target}` on this node, or pass "
+                        "the socket it serves on as daemon='unix:///path/to/ckptd.sock'"
+                    ) from exc
+                raise
         self.url = session.storage_url
         self._storage = DaemonStorage(self)
 
