@@ -255,6 +255,35 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimi
     )
 
 
+def _fsdp1_flat_param_mates(model: torch.nn.Module, saved: set[str]) -> dict[str, str]:
+    """For each FSDP1-managed parameter without saved optimizer state whose flat parameter
+    has a parameter with saved state: that parameter's name."""
+    try:
+        from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
+    except ImportError:  # pragma: no cover - torch without this helper: load as saved
+        return {}
+    by_flat: dict[int, list[str]] = {}
+    for fqn, info in _get_fqn_to_fsdp_param_info(model).items():
+        by_flat.setdefault(id(info.handle.flat_param), []).append(fqn)
+    out: dict[str, str] = {}
+    for fqns in by_flat.values():
+        mate = next((f for f in fqns if f in saved), None)
+        if mate is not None:
+            out.update((f, mate) for f in fqns if f not in saved)
+    return out
+
+
+def _copy_scalar_state(src: dict[str, Any], dst: dict[str, Any]) -> None:
+    """Give ``dst`` the scalar entries (e.g. ``step``) of ``src``; per-element ones stay."""
+    for key, v in src.items():
+        if key not in dst:
+            continue
+        if isinstance(v, (int, float)):
+            dst[key] = v
+        elif isinstance(v, torch.Tensor) and not _is_dtensor(v) and v.dim() == 0:
+            dst[key] = v.clone()
+
+
 def _resolve(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str] | None:
     """The (module, attribute) that holds state entry ``fqn`` (clean FQN; DDP's ``module.``
     and torch.compile's ``_orig_mod.`` prefixes are tried too), or None."""
@@ -425,6 +454,7 @@ class TorchAdapter(FrameworkAdapter):
         optim_names: dict[str, TensorMeta] = {}
         osd: dict[str, Any] | None = None
         scalars: list[tuple[dict, str, torch.Tensor]] = []
+        fill: dict[str, str] = {}  # parameter without saved state -> one with, same flat param
         # An optimizer without state, loaded from a checkpoint without optimizer state (saved
         # before the first step), stays as it is: materializing its state would make it
         # differ from a fresh one (e.g. Adam's step count).
@@ -437,11 +467,20 @@ class TorchAdapter(FrameworkAdapter):
             if created:
                 # Parameters that had no state when the checkpoint was saved (no gradient
                 # yet: unused or frozen layers) get none now either, instead of the state
-                # materializing just created for them.
+                # materializing just created for them -- except where FSDP1 needs it: it
+                # keeps one optimizer state per flat parameter and cannot save or load one
+                # whose parameters have state only in part.  Those keep the state that
+                # materializing created (what zero gradients give) and take their flat
+                # parameter's step (see finish).
                 saved = {n[len("optim/"):].rpartition("/")[0]
                          for n in available if n.startswith("optim/")}
-                osd["state"] = {k: v for k, v in osd["state"].items() if k in saved}
+                if self.framework == "fsdp1":
+                    fill = _fsdp1_flat_param_mates(model, saved)
+                osd["state"] = {k: v for k, v in osd["state"].items()
+                                if k in saved or k in fill}
             for fqn, state in osd["state"].items():
+                if fqn in fill:
+                    continue
                 for key, v in state.items():
                     name = f"optim/{fqn}/{key}"
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -467,6 +506,8 @@ class TorchAdapter(FrameworkAdapter):
             if optimizer is not None and osd is not None:
                 for state, key, holder in scalars:
                     state[key] = holder.item()
+                for fqn, mate in fill.items():
+                    _copy_scalar_state(osd["state"][mate], osd["state"][fqn])
                 set_optimizer_state_dict(model, optimizer, osd, options=opts)
             if optimizer is not None:
                 apply_hyperparameters(optimizer.param_groups, param_groups)
