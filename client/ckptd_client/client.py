@@ -32,7 +32,7 @@ from ckptd.errors import (
 from ckptd.format import paths
 from ckptd.format.commit import list_steps as _list_steps
 from ckptd.format.commit import read_index, resolve_step
-from ckptd.format.dtypes import dtype_from_name
+from ckptd.format.dtypes import SUPPORTED, dtype_from_name, dtype_name
 from ckptd.format.items import LoadTarget, SaveItem
 from ckptd.format.layout import Region
 from ckptd.format.plan import DEFAULT_PACK_THRESHOLD, RankPlan, plan_rank_save
@@ -292,7 +292,11 @@ class CheckpointClient:
         items, groups, doc, framework = self._collect(model, optimizer, extra)
         _check_not_meta(items, step)
         t1 = time.perf_counter()
-        plan = self._plan(items)
+        try:
+            plan = self._plan(items)
+        except TypeError:
+            _check_dtypes(items, step)  # names the tensors ckptd cannot store
+            raise
         t2 = time.perf_counter()
         phases["collect"], phases["plan"] = t1 - t0, t2 - t1
         ident = SaveIdentity(self.job, step, self._next_attempt(), self.rank, self.world_size,
@@ -646,6 +650,24 @@ def _check_not_meta(items: list[SaveItem], step: int) -> None:
         "then initialize its parameters (e.g. `reset_parameters()`) or load a checkpoint into "
         "it, then save."
     )
+
+
+def _check_dtypes(items: list[SaveItem], step: int) -> None:
+    """ConfigError naming the tensors whose dtype ckptd cannot store, if any."""
+    bad = []
+    for it in items:
+        try:
+            dtype_name(it.dtype)
+        except TypeError:
+            bad.append(f"{it.views[0].name if it.views else it.name} ({it.dtype})")
+    if bad:
+        raise ConfigError(
+            f"cannot save step {step}: ckptd cannot store the dtype of {len(bad)} tensors: "
+            + ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else "") + f"; it stores "
+            f"{', '.join(SUPPORTED)}. Convert them (e.g. dequantize a quantized tensor), or "
+            "keep them out of the state dict (a non-persistent buffer) and save what you need "
+            "to rebuild them in `extra=`."
+        ) from None
 
 
 def _partly_loaded(exc: CkptdError, storage: Any, rec: Any, optim: bool) -> CkptdError:

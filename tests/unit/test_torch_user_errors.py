@@ -39,3 +39,28 @@ def test_optimizer_over_other_parameters_is_a_clear_error(tmp_path):
     assert not mixed.state
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
     client.close()
+
+
+def test_unstorable_dtype_names_the_tensor_and_keeps_earlier_steps(tmp_path):
+    """A buffer of a dtype ckptd has no zarr type for (complex32): the save names it (not
+    only its dtype) before anything is written; the step saved before it still loads."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.register_buffer("phase", torch.zeros(3, dtype=torch.complex32))
+
+    client = CheckpointClient("quant", storage=f"file://{tmp_path}")
+    model = _net()
+    client.save(model, step=1)
+    with pytest.raises(ConfigError, match=r"cannot save step 2: ckptd cannot store the dtype "
+                                          r"of 1 tensors: model/phase \(torch.complex32\);.*"
+                                          r"Convert them"):
+        client.save(Odd(), step=2)
+    assert client.list_steps() == [1]
+    fresh = _net()
+    assert client.load(fresh).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                 model.state_dict().values()))
+    client.close()
