@@ -22,6 +22,15 @@ from ckptd.storage.base import StorageBackend
 # --------------------------------------------------------------------------- URIs
 
 
+def strip_slashes(uri: str) -> str:
+    """``uri`` without surrounding blanks and trailing ``/``, keeping a scheme's ``//`` and a
+    lone root ``/`` (``s3://`` stays ``s3://``, ``file:///`` stays ``file:///``)."""
+    u = uri.strip()
+    m = re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", u)
+    head, rest = (u[: m.end()], u[m.end():]) if m else ("", u)
+    return head + (rest.rstrip("/") or rest[:1])
+
+
 def split_job_uri(uri: str) -> tuple[str, str]:
     """``URI/JOB`` -> (storage URI, job): the last path component is the job.
 
@@ -32,9 +41,11 @@ def split_job_uri(uri: str) -> tuple[str, str]:
     """
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError("expected URI/JOB, e.g. file:///ckpt/myjob or s3://bucket/prefix/myjob")
-    u = uri.strip().rstrip("/")
+    u = strip_slashes(uri)
     if u.startswith("s3://"):
         rest = u[len("s3://"):]
+        if not rest:
+            raise ConfigError(f"{uri!r} names no bucket: expected s3://bucket[/prefix]/JOB")
         if "/" not in rest:
             raise ConfigError(
                 f"{uri!r} names a bucket but no job: expected s3://bucket[/prefix]/JOB"

@@ -26,6 +26,7 @@ from ckptd.tools.common import (
     print_json,
     print_table,
     split_job_uri,
+    strip_slashes,
 )
 
 
@@ -111,7 +112,7 @@ def _status(row: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    uri = args.uri.rstrip("/") or args.uri  # '/' stays the root directory
+    uri = strip_slashes(args.uri)
     storage = None
     job = None
     try:

@@ -23,6 +23,10 @@ def test_job_uris_take_the_forms_open_storage_takes(monkeypatch, tmp_path):
     for typo in ("s3:/bucket/job", "s3:bucket/job", "file:/"):
         with pytest.raises(ConfigError, match="looks like a URI with scheme"):
             split_job_uri(typo)
+    with pytest.raises(ConfigError, match="names no bucket"):
+        split_job_uri("s3://")
+    with pytest.raises(ConfigError, match="has no job name"):
+        split_job_uri("file:///")
     # a mistyped --out writes nothing into the working directory
     storage = open_storage(str(tmp_path / "ckpt"))
     write_step(storage, "job", 5, "att", world=2)
