@@ -283,7 +283,9 @@ def export(storage: StorageBackend, job: str, step: int | None, fmt: str, out: s
         raise ConfigError(f"output {out} already exists; remove it or choose another --out")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
-        raise ConfigError(f"output directory {parent} does not exist")
+        raise ConfigError(
+            f"output directory {parent} does not exist; create it or choose another --out"
+        )
     if storage.url.startswith("file://"):
         job_dir = os.path.realpath(os.path.join(storage.url[len("file://"):], job))
         if (os.path.realpath(parent) + os.sep).startswith(job_dir + os.sep):

@@ -58,6 +58,8 @@ def test_outputs_inside_a_job_directory_are_refused(tmp_path, capsys):
         (["reshard", f"{tmp_path}/job", "--to-world-size", "3", "--out",
           f"{step_dir}/w3"], "are nested"),
     ]
+    cases.append((["export", f"{tmp_path}/job", "--format", "torch", "--out",
+                   str(tmp_path / "nosuch" / "model.pt")], "create it or choose another --out"))
     for argv, msg in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv
