@@ -94,6 +94,24 @@ def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypat
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "Unix socket" in ei.value.details()
     channel.close()
+
+    # client-side mistakes say which setting is wrong
+    from ckptd_client.transport.daemon import DaemonTransport
+
+    from ckptd.errors import ConfigError, DaemonUnavailableError
+
+    for var in ("CKPTD_TLS_CA", "CKPTD_TOKEN_FILE"):
+        with monkeypatch.context() as mp:
+            mp.setenv(var, str(tmp_path / "missing.pem"))
+            with pytest.raises(ConfigError, match=f"{var}=.*missing.pem cannot be read"):
+                CheckpointClient("remote", daemon=addr)
+    monkeypatch.delenv("CKPTD_TLS_CA")      # the self-signed certificate is not trusted
+    with pytest.raises(DaemonUnavailableError, match="not accepted here.*CKPTD_TLS_CA"):
+        DaemonTransport(addr, job="remote", rank=0, world_size=1, token=token,
+                        connect_timeout=0.5)
+    with pytest.raises(DaemonUnavailableError, match="Nothing accepts TCP connections"):
+        DaemonTransport(f"127.0.0.1:{free_port()}", job="remote", rank=0, world_size=1,
+                        token=token, connect_timeout=0.5)
     assert check_health("unix:" + d.socket) == "SERVING"
 
 

@@ -36,6 +36,7 @@ import os
 import queue
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -114,9 +115,42 @@ def _token(token: str | None) -> str | None:
         return os.environ["CKPTD_TOKEN"]
     path = os.environ.get("CKPTD_TOKEN_FILE")
     if path:
-        with open(path) as f:
-            return f.read().strip()
+        return _read_setting("CKPTD_TOKEN_FILE", path).decode(errors="replace").strip()
     return None
+
+
+def _read_setting(variable: str, path: str) -> bytes:
+    """The file a ``CKPTD_*`` variable names; a ConfigError naming both if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{variable}={path} cannot be read ({exc.strerror or exc}); point it "
+                          "at a readable file or unset it") from None
+
+
+def _tcp_problem(target: str, ca_path: str | None, server_name: str | None,
+                 timeout: float = 5.0) -> str:
+    """Why a TLS connection to ``target`` fails, found with the ssl module (gRPC only says
+    that the deadline passed); "" when a handshake succeeds."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ctx = ssl.create_default_context(cafile=ca_path)
+        ctx.set_alpn_protocols(["h2"])
+        with socket.create_connection((host, int(port)), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, server_hostname=server_name or host):
+            return ""
+    except ssl.SSLCertVerificationError as exc:
+        return (f"The daemon's TLS certificate is not accepted here ({exc.verify_message}): "
+                "set CKPTD_TLS_CA to the PEM that signed it, and CKPTD_TLS_SERVER_NAME to a "
+                "name in it if you connect by another name or address.")
+    except ssl.SSLError as exc:
+        return (f"The TLS handshake with {target} failed ({exc.reason or exc}): is this the "
+                "daemon's --listen port?")
+    except (OSError, ValueError) as exc:
+        return (f"Nothing accepts TCP connections at {target} ({exc}): is `ckptd serve "
+                f"--listen {target}` running there?")
 
 
 @dataclass(eq=False)
@@ -259,8 +293,7 @@ class DaemonTransport(Transport):
         else:
             ca = None
             if os.environ.get("CKPTD_TLS_CA"):
-                with open(os.environ["CKPTD_TLS_CA"], "rb") as f:
-                    ca = f.read()
+                ca = _read_setting("CKPTD_TLS_CA", os.environ["CKPTD_TLS_CA"])
             if os.environ.get("CKPTD_TLS_SERVER_NAME"):
                 options.append(("grpc.ssl_target_name_override",
                                 os.environ["CKPTD_TLS_SERVER_NAME"]))
@@ -293,6 +326,13 @@ class DaemonTransport(Transport):
                         f"for it): start `ckptd serve --socket {target}` on this node, or pass "
                         "the socket it serves on as daemon='unix:///path/to/ckptd.sock'"
                     ) from exc
+                hint = "" if self.local else _tcp_problem(
+                    target, os.environ.get("CKPTD_TLS_CA") or None,
+                    os.environ.get("CKPTD_TLS_SERVER_NAME") or None)
+                if hint:
+                    self._channel.close()
+                    self._starter.close()
+                    raise DaemonUnavailableError(f"{exc} {hint}") from exc
                 raise
         self.url = session.storage_url
         self._storage = DaemonStorage(self)
