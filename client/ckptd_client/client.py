@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -213,6 +214,7 @@ class CheckpointClient:
         #: seconds spent in each phase of the last ``save_async`` call (copy mode: collect,
         #: plan, acquire, stage, submit; the transport may add its own sub-phases)
         self.last_phases: dict[str, float] = {}
+        _OPEN_CLIENTS.add(self)
 
     # -- saving --------------------------------------------------------------------------
     @property
@@ -593,11 +595,48 @@ class CheckpointClient:
             self._stager.shutdown(wait=True)
         self._transport.close()
 
+    def _finish_at_exit(self) -> None:
+        """Interpreter exit with saves in flight: hand them over (overlap mode's copy) and,
+        in embedded mode, write this rank's part and try the commit.  Commits that wait for
+        other ranks are not waited for (a dead rank would hold the exit for commit_timeout)."""
+        if self._closed or all(h.done() for h in self._inflight):
+            return
+        self._closed = True
+        log.info("ckptd: the interpreter is exiting with saves of job %r in flight; writing "
+                 "this rank's part before it exits (call client.close() to also wait for the "
+                 "commits)", self.job)
+        if self._stager is not None:
+            self._stager.shutdown(wait=True)
+        self._transport.close()
+
     def __enter__(self) -> CheckpointClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: clients not closed yet; at interpreter exit their in-flight saves are finished
+_OPEN_CLIENTS: weakref.WeakSet[CheckpointClient] = weakref.WeakSet()
+
+
+def _finish_saves_at_exit() -> None:
+    """Let the open clients' in-flight saves finish writing when the interpreter exits.
+
+    It runs before concurrent.futures stops taking work at exit (``threading``'s exit hooks
+    run last-registered first, and concurrent.futures registered its hook on import, above):
+    a script that ended right after ``save_async`` lost that save (embedded mode, or overlap
+    mode's copy) with exit code 0, its writer refused with "cannot schedule new futures
+    after interpreter shutdown".  (``atexit`` handlers run too late for that.)
+    """
+    for client in list(_OPEN_CLIENTS):
+        try:
+            client._finish_at_exit()
+        except Exception as exc:  # noqa: BLE001 - the next client's save must still finish
+            log.error("ckptd: finishing the saves of job %r at exit failed: %s", client.job, exc)
+
+
+threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
 
 
 def _match_param_groups(saved: list[dict[str, Any]], live: list[list[str]] | None) -> tuple[

@@ -800,3 +800,34 @@ def test_overlap_saves_share_one_stager_thread_and_each_saves_its_own_step(tmp_p
             assert torch.equal(back.state_dict()[k], v), (step, k)
     client.close()
     assert not stagers[0].is_alive()
+
+
+def test_a_script_that_exits_right_after_save_async_still_commits_that_save(tmp_path):
+    """The last save of a training script (embedded mode, copy and overlap) is written when
+    the interpreter exits without waiting for it: its writer was refused by concurrent.futures
+    at exit ("cannot schedule new futures after interpreter shutdown"), exit code 0, step lost."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from ckptd_client import CheckpointClient\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(64, 64)\n"
+        f"a = CheckpointClient('copy', storage={_uri(tmp_path)!r})\n"
+        f"b = CheckpointClient('overlap', storage={_uri(tmp_path)!r})\n"
+        "a.save_async(m, step=7)\n"
+        "b.save_async(m, step=8, overlap=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    storage = open_storage(_uri(tmp_path))
+    assert resolve_step(storage, "copy", None).step == 7, proc.stderr
+    assert resolve_step(storage, "overlap", None).step == 8, proc.stderr
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(64, 64)
+    for job in ("copy", "overlap"):
+        back = torch.nn.Linear(64, 64)
+        CheckpointClient(job, storage=_uri(tmp_path)).load(back)
+        _equal(back, saved)
