@@ -96,6 +96,11 @@ def test_save_list_load_through_daemon(shared):
     assert client.load(m4, optimizer=opt4).step == 20
     _equal(m3, m4)
     assert opt3.state_dict()["state"].keys() == opt4.state_dict()["state"].keys()
+    # extra state too large for one message to the daemon: refused saying what to do, and
+    # the client (its segment) goes on saving
+    with pytest.raises(ConfigError, match="more than the 63 MiB.*as tensors"):
+        client.save(m, step=30, extra={"log": "x" * (64 << 20)})
+    assert client.save(m, optimizer=opt, step=31).step == 31
     client.close()
 
 

@@ -601,6 +601,16 @@ class DaemonTransport(Transport):
             lease.release()
             out.set_exception(ConfigError(f"save state is not JSON-serializable: {exc}"))
             return out
+        documents = len(plan_json) + len(extra_json) + len(groups_json)
+        if documents > MAX_MESSAGE - (1 << 20):   # one Save message carries all three
+            lease.release()
+            out.set_exception(ConfigError(
+                f"step {ident.step} was not saved: its plan, extra state and param groups "
+                f"encode to {documents} bytes of JSON (extra state {len(extra_json)}), more "
+                f"than the {(MAX_MESSAGE >> 20) - 1} MiB one message to the daemon may carry. "
+                "Keep large data in extra as tensors or numpy arrays (staged like the model's "
+                "tensors), not as strings or lists."))
+            return out
         timeout_s = float(self.commit_timeout or 0.0)
         if isinstance(lease, _SegmentLease):
             seg = lease.seg
