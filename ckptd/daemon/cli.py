@@ -65,8 +65,15 @@ def _health(args: argparse.Namespace) -> int:
     if args.address:
         ca = None
         if args.tls_ca:
-            with open(args.tls_ca, "rb") as f:
-                ca = f.read()
+            try:
+                with open(args.tls_ca, "rb") as f:
+                    ca = f.read()
+            except OSError as exc:
+                from ckptd.errors import ConfigError
+
+                raise ConfigError(f"--tls-ca {args.tls_ca} cannot be read ({exc.strerror}); "
+                                  "pass the PEM CA bundle that signed the daemon's "
+                                  "certificate") from None
         status = check_health(args.address, tls_ca=ca, server_name=args.tls_server_name,
                               secure=True, service=args.service, timeout=args.timeout)
         where = args.address

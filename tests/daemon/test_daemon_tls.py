@@ -117,7 +117,8 @@ def test_tls_token_stream_save_load_and_wrong_token(tmp_path, daemons, monkeypat
 
 def test_startup_failures_say_why_and_leave_nothing_serving(tmp_path):
     """A bad certificate or key, a busy TCP port or a busy metrics port: exit 2 with a
-    one-line reason (no traceback), and no Unix socket left for clients to find."""
+    one-line reason (no traceback), and no Unix socket left for clients to find; likewise
+    `ckptd health` with an unreadable --tls-ca."""
     import socket
     import sys
 
@@ -156,3 +157,8 @@ def test_startup_failures_say_why_and_leave_nothing_serving(tmp_path):
         "--listen", f"127.0.0.1:{port}", *tls)
     assert f"--metrics-port {port}" in serve("--metrics-port", str(port))
     busy.close()
+    health = subprocess.run(
+        [sys.executable, "-m", "ckptd.cli", "health", "--address", free, "--tls-ca",
+         os.path.join(d, "nope.pem")], capture_output=True, text=True, timeout=60, check=False)
+    assert health.returncode == 2 and "--tls-ca" in health.stderr, health.stderr
+    assert "Traceback" not in health.stderr
