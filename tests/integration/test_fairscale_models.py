@@ -4,7 +4,8 @@ The root flat parameter starts with a 0-d parameter (a learnable scale, as CLIP'
 ``logit_scale``) and holds a tied weight; a nested instance holds frozen parameters (not in
 the optimizer); parameters of another one are not flattened and a ``/`` is in their
 names (a ModuleDict key).  Training is simulated as in ``fairscale_helpers.simulate_step``.  A fresh
-model and a fresh optimizer load every shard and every Adam state tensor bit-exactly.
+model and a fresh optimizer load every shard and every Adam state tensor bit-exactly.  A
+one-rank FSDP instance whose values differ between ranks fails the save.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_world
 from fairscale_helpers import unpadded_lengths
 from torch import nn
@@ -89,6 +91,27 @@ def job(rank: int, world: int, root: str) -> None:
             assert q not in fresh_opt.state
     for (name, b), (_, c) in zip(model.named_buffers(), fresh.named_buffers(), strict=True):
         assert torch.equal(b, c), name
+
+    # A one-rank FSDP instance is saved once, as a replica: per-rank values (MoE experts in
+    # one-rank process groups) fail the save instead of keeping rank 0's copy only.
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    from ckptd.errors import ConfigError
+
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    for per_rank in (False, True):  # the same values on every rank, then per-rank values
+        torch.manual_seed(5 + rank if per_rank else 5)
+        experts = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4))
+        experts[1] = FSDP(experts[1], process_group=own, compute_device=CPU)
+        experts = FSDP(experts, compute_device=CPU)
+        client = CheckpointClient("experts", storage=f"file://{root}")
+        if not per_rank:
+            client.save(experts, step=1)
+        else:
+            with pytest.raises(ConfigError, match=r"differ between rank 0 and ranks \[1\]"):
+                client.save(experts, step=2)
+            assert client.list_steps() == [1]
+        client.close()
 
 
 @pytest.mark.slow

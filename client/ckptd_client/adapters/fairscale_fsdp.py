@@ -17,7 +17,9 @@ Storage (see DESIGN.md, "Chunks align with save-time shards"):
   ``flat/optim/<flat name>/<key>`` with views ``optim/<fqn>/<key>``; scalar state
   (``step``, python numbers) is one replicated 0-d tensor ``optim/<fqn>/<key>`` per
   original parameter;
-* buffers, and parameters outside every FSDP instance, are replicated logical tensors.
+* buffers, and parameters outside every FSDP instance, are replicated logical tensors;
+  the flat parameters of a one-rank FSDP instance in a multi-rank job are stored once too,
+  and a save fails if the ranks hold different values for them (per-rank MoE experts).
 
 The adapter reads shards with ``local_state_dict()`` / ``local_metadata_dict()`` (no
 gather, no CUDA) and restores by copying into the local shards in place, because
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ckptd.errors import ConfigError
+from ckptd.format.checksum import crc32c
 from ckptd.format.items import FlatView, LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_len, dim0_shard
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
@@ -348,6 +351,36 @@ def _assign_writers(layout: _Layout, job_world: int) -> None:
             s.writer = writers[id(s.instance)]
 
 
+def _check_replicas(layout: _Layout, job_world: int) -> None:
+    """Fail if a one-rank FSDP instance of a multi-rank job holds other values on some rank.
+
+    Such storages are saved once, as replicas (one rank writes them); per-rank parameters
+    (e.g. MoE experts each in its own one-rank process group) would silently keep only
+    that rank's values.  Collective over the default group whenever the module tree has
+    such an instance (the same on every rank).
+    """
+    reps = [s for s in layout.storages if s.replicated]
+    if not reps:
+        return
+    mine = []
+    for s in reps:
+        t = s.valid(s.saved if s.saved is not None else s.param.detach())
+        mine.append(crc32c(t.detach().cpu().contiguous().view(torch.uint8).numpy()))
+    gathered: list[Any] = [None] * job_world
+    dist.all_gather_object(gathered, mine)
+    for j, s in enumerate(reps):
+        differ = [r for r, g in enumerate(gathered) if g[j] != gathered[0][j]]
+        if differ:
+            names = ", ".join(v.fqn for v in s.views)
+            raise ConfigError(
+                f"fairscale parameters {names} (FSDP instance of one rank, {s.key!r}) differ "
+                f"between rank 0 and ranks {differ}: ckptd saves what fairscale does not shard "
+                "once, as a replica, so it expects the same values on every rank. Per-rank "
+                "parameters (e.g. MoE experts in one-rank process groups) cannot be saved this "
+                "way; shard them over a process group of several ranks, or keep them equal"
+            )
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -418,6 +451,7 @@ class FairscaleAdapter(FrameworkAdapter):
         layout = _collect(model, with_tensors=True)
         job_world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         _assign_writers(layout, job_world)
+        _check_replicas(layout, job_world)
         items: list[SaveItem] = []
         for s in layout.storages:
             shard = s.saved if s.saved is not None else s.param.detach()
