@@ -37,7 +37,14 @@ from ckptd.daemon.metrics import Metrics
 from ckptd.daemon.priority import DEFAULT_IO_NICE, background_nice, set_this_thread
 from ckptd.errors import CkptdError, DaemonUnavailableError, SaveFailedError
 from ckptd.format import paths
-from ckptd.format.commit import present_ranks, read_commit, try_commit
+from ckptd.format.commit import (
+    mark_failed,
+    present_ranks,
+    rank_failure,
+    rank_files,
+    read_commit,
+    try_commit,
+)
 from ckptd.format.plan import RankPlan
 from ckptd.format.writer import SaveIdentity, write_rank
 from ckptd.storage.base import Buffer, ObjectInfo, StorageBackend
@@ -135,20 +142,31 @@ class _GuardedStorage(StorageBackend):
         self.inner.delete(keys)
 
 
+class _RankFailed(SaveFailedError):
+    """Another rank of the attempt recorded that its save failed (its daemon may run on
+    another node): the attempt will not commit."""
+
+
 def _commit_poll(storage: StorageBackend, job: str, step: int, attempt: str,
                  world_size: int) -> str | None:
     """One look at storage: is the attempt committed ("seen"), or did this call commit it
     ("ours": every rank manifest was there but nobody had committed, e.g. the committer
-    died)?  None if not committed.  Mirrors format.commit.wait_committed."""
+    died)?  None if not committed; _RankFailed if a rank recorded a failed save.  Mirrors
+    format.commit.wait_committed."""
     prefix = paths.attempt_prefix(job, step, attempt)
     rec = read_commit(storage, job, step)
     if rec is not None and rec.attempt == attempt:
         return "seen"
     if rec is not None and storage.exists(paths.index_key(prefix)):
         return "seen"  # committed, then superseded by a later attempt of the same step
-    if (rec is None and set(range(world_size)) <= present_ranks(storage, prefix)
+    present, failed = rank_files(storage, prefix)
+    if (rec is None and set(range(world_size)) <= present
             and try_commit(storage, job, step, attempt, world_size) is not None):
         return "ours"
+    if failed:
+        r = min(failed)
+        raise _RankFailed(f"step {step} of job {job!r} will not commit: rank {r}'s save "
+                          f"failed: {rank_failure(storage, prefix, r)}")
     return None
 
 
@@ -244,6 +262,9 @@ class AttemptTracker:
                     if seen is not None:
                         self.mark_committed(by_us=seen == "ours")
                         return
+                except _RankFailed as exc:
+                    self.fail_all("SaveFailedError", str(exc))
+                    return
                 except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
                     log.warning("commit poll of %s step %d failed: %s", self.job, self.step, exc)
                 now = time.monotonic()
@@ -446,6 +467,15 @@ class WritePipeline:
                 tracker.fail_all("SaveFailedError", (
                     f"step {ident.step} of job {ident.job!r} will not commit: rank "
                     f"{ident.rank}'s save failed: {error[1]}"))
+                if ident.world_size > 1:  # ranks saving through other daemons stop waiting
+                    # (best effort, not awaited: a failing store may retry it for minutes)
+                    try:
+                        asyncio.get_running_loop().run_in_executor(
+                            self._workers, functools.partial(
+                                mark_failed, self.guarded, ident.job, ident.step,
+                                ident.attempt, ident.rank, error[1]))
+                    except RuntimeError:  # the daemon is closing
+                        pass
                 return
             rec.state = WRITTEN
             rec.written_at = time.monotonic()
@@ -468,8 +498,11 @@ class WritePipeline:
                                                                           MAX_COMMIT_TIMEOUT)
         prefix = paths.attempt_prefix(ident.job, ident.step, ident.attempt)
         rec = SaveRecord(sid, ident, 0, timeout, segment_returned=True)
-        committed = await self._run_blocking(_commit_poll, self.storage, ident.job, ident.step,
-                                             ident.attempt, ident.world_size)
+        try:
+            committed = await self._run_blocking(_commit_poll, self.storage, ident.job,
+                                                 ident.step, ident.attempt, ident.world_size)
+        except _RankFailed:
+            committed = None  # this rank's own state decides below; polling reports it
         if sid in self.saves:
             return self.saves[sid]
         self.saves[sid] = rec

@@ -23,6 +23,7 @@ from ckptd.errors import CheckpointNotFoundError, CorruptCheckpointError, SaveFa
 from ckptd.format import paths
 from ckptd.format.manifest import (
     COMMIT_KIND,
+    FAILURE_KIND,
     Index,
     RankManifest,
     check_version,
@@ -48,8 +49,45 @@ class CommitRecord:
 
 
 def present_ranks(storage: StorageBackend, prefix: str) -> set[int]:
+    return rank_files(storage, prefix)[0]
+
+
+def rank_files(storage: StorageBackend, prefix: str) -> tuple[set[int], set[int]]:
+    """The ranks of the attempt under ``prefix`` whose manifest is present, and those that
+    recorded a failed save (:func:`mark_failed`) and have no manifest."""
     names = storage.list_dir(f"{prefix}/_ranks")
-    return {int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit()}
+
+    def ranks(suffix: str) -> set[int]:
+        n = len(suffix)
+        return {int(x[:-n]) for x in names if x.endswith(suffix) and x[:-n].isdigit()}
+
+    present = ranks(".json")
+    return present, ranks(".failed") - present
+
+
+def mark_failed(storage: StorageBackend, job: str, step: int, attempt: str, rank: int,
+                error: str) -> None:
+    """Record that ``rank``'s save of the attempt failed before its manifest was written,
+    so the other ranks, which wait for the commit, fail now instead of at their commit
+    timeout.  Best effort: the storage may be what failed (they then time out)."""
+    key = paths.rank_failure_key(paths.attempt_prefix(job, step, attempt), rank)
+    try:
+        storage.put(key, dumps({"kind": FAILURE_KIND, "format_version": FORMAT_VERSION,
+                                "job": job, "step": step, "attempt": attempt, "rank": rank,
+                                "error": error[:4000]}))
+    except Exception as exc:  # noqa: BLE001 - best effort, see above
+        log.warning("ckptd: could not record the failure of rank %d's save of step %d of job "
+                    "%s (the other ranks wait for their commit timeout): %s", rank, step, job,
+                    exc)
+
+
+def rank_failure(storage: StorageBackend, prefix: str, rank: int) -> str:
+    """What rank ``rank`` recorded about its failed save (best effort)."""
+    key = paths.rank_failure_key(prefix, rank)
+    try:
+        return str(loads(storage.get(key), key).get("error") or "no error recorded")
+    except Exception as exc:  # noqa: BLE001 - the marker itself says enough
+        return f"its failure record {key} cannot be read ({exc})"
 
 
 def read_manifests(storage: StorageBackend, prefix: str, ranks: list[int]) -> list[RankManifest]:
@@ -125,8 +163,9 @@ def wait_committed(
 ) -> CommitRecord:
     """Block until the attempt is committed (by any rank) or ``timeout`` seconds pass.
 
-    Polls with backoff (50 ms up to 1 s).  Raises SaveFailedError on timeout, naming the
-    ranks whose manifests are missing.
+    Polls with backoff (50 ms up to 1 s).  Raises SaveFailedError as soon as a rank
+    recorded that its save failed (:func:`mark_failed`), or on timeout, naming the ranks
+    whose manifests are missing.
     """
     prefix = paths.attempt_prefix(job, step, attempt)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -137,10 +176,17 @@ def wait_committed(
             return rec
         if rec is not None and storage.exists(paths.index_key(prefix)):
             return CommitRecord(job, step, attempt, world_size)  # committed, then superseded
-        if rec is None and set(range(world_size)) <= present_ranks(storage, prefix):
+        present, failed = rank_files(storage, prefix)
+        if rec is None and set(range(world_size)) <= present:
             # every manifest is there but nobody committed (a committer died): do it
             try_commit(storage, job, step, attempt, world_size)
             continue
+        if failed:
+            r = min(failed)
+            raise SaveFailedError(
+                f"step {step} of job {job!r} will not commit: rank {r}'s save failed: "
+                f"{rank_failure(storage, prefix, r)}"
+            )
         if cancel is not None and cancel.is_set():
             raise SaveFailedError(f"save of step {step} was cancelled before it committed")
         if deadline is not None and time.monotonic() >= deadline:

@@ -19,6 +19,7 @@ from ckptd.format.layout import Region, Shape
 RANK_MANIFEST_KIND = "ckptd.rank_manifest"
 INDEX_KIND = "ckptd.index"
 COMMIT_KIND = "ckptd.commit"
+FAILURE_KIND = "ckptd.rank_failure"
 
 
 def dumps(doc: dict) -> bytes:

@@ -4,6 +4,7 @@
     <job>/<step:012d>/<attempt>/zarr.json             zarr v3 group of the attempt
     <job>/<step:012d>/<attempt>/index.json            consolidated index (written at commit)
     <job>/<step:012d>/<attempt>/_ranks/<rank>.json    per-rank manifests
+    <job>/<step:012d>/<attempt>/_ranks/<rank>.failed  a rank's save failed (no manifest)
     <job>/<step:012d>/<attempt>/<array>/zarr.json     zarr v3 arrays, chunks at <array>/c/i/j
 """
 
@@ -70,6 +71,10 @@ def attempt_prefix(job: str, step: int, attempt: str) -> str:
 
 def rank_manifest_key(prefix: str, rank: int) -> str:
     return f"{prefix}/_ranks/{rank}.json"
+
+
+def rank_failure_key(prefix: str, rank: int) -> str:
+    return f"{prefix}/_ranks/{rank}.failed"
 
 
 def index_key(prefix: str) -> str:

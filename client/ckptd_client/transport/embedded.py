@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ckptd.errors import CkptdError, SaveFailedError
-from ckptd.format.commit import try_commit, wait_committed
+from ckptd.format.commit import mark_failed, try_commit, wait_committed
 from ckptd.format.plan import RankPlan
 from ckptd.format.writer import SaveIdentity, write_rank
 from ckptd.storage import open_storage, open_write_storage
@@ -59,10 +59,10 @@ class EmbeddedTransport(Transport):
 
         out: Future = Future()
 
-        def fail(exc: BaseException) -> None:
+        def fail(exc: BaseException) -> BaseException:
             if isinstance(exc, CkptdError):  # typed errors reach the caller as they are
                 out.set_exception(exc)
-                return
+                return exc
             err = SaveFailedError(
                 f"save of step {ident.step} (job {ident.job!r}, rank {ident.rank}) failed and "
                 f"was not committed: {type(exc).__name__}: {exc}. Earlier checkpoints are "
@@ -70,6 +70,7 @@ class EmbeddedTransport(Transport):
             )
             err.__cause__ = exc
             out.set_exception(err)
+            return err
 
         def info(nbytes: int) -> Any:
             return CheckpointInfo(ident.job, ident.step, ident.attempt, ident.world_size,
@@ -85,11 +86,13 @@ class EmbeddedTransport(Transport):
             out.set_result(info(nbytes))
 
         def write() -> None:
+            written = False
             try:
                 try:
                     manifest = write_rank(self._wstorage, ident, plan, lease.buffer.numpy(),
                                           extra=extra, param_groups=param_groups,
                                           executor=self._io)
+                    written = True
                 finally:
                     lease.release()
                 nbytes = sum(c.nbytes for a in manifest.arrays.values() for c in a.chunks.values())
@@ -100,7 +103,10 @@ class EmbeddedTransport(Transport):
                     return
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 log.error("ckptd: save of step %d failed: %s", ident.step, exc)
-                fail(exc)
+                err = fail(exc)
+                if not written and ident.world_size > 1:  # the other ranks stop waiting
+                    self._waiters.submit(mark_failed, self._storage, ident.job, ident.step,
+                                         ident.attempt, ident.rank, str(err))
                 return
             self._waiters.submit(wait, nbytes)
 
