@@ -25,8 +25,12 @@ def add_parser(sub: Any) -> None:
     where.add_argument("--socket", help=f"daemon Unix socket (default $CKPTD_SOCKET or "
                                         f"{DEFAULT_SOCKET})")
     where.add_argument("--address", help="daemon TCP address HOST:PORT (TLS)")
-    h.add_argument("--tls-ca", help="PEM CA bundle to verify the daemon's TLS certificate")
-    h.add_argument("--tls-server-name", help="expected TLS server name (default: the host)")
+    h.add_argument("--tls-ca", default=os.environ.get("CKPTD_TLS_CA") or None,
+                   help="PEM CA bundle to verify the daemon's TLS certificate (default "
+                        "$CKPTD_TLS_CA, as for clients; else the system's roots)")
+    h.add_argument("--tls-server-name", default=os.environ.get("CKPTD_TLS_SERVER_NAME") or None,
+                   help="expected TLS server name (default $CKPTD_TLS_SERVER_NAME, else the "
+                        "host)")
     h.add_argument("--service", default="", help="health service name (default: overall)")
     h.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
     h.set_defaults(func=_health)
