@@ -40,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    # ckptd's own progress at INFO; other libraries only warn unless -v (botocore's INFO
+    # "Found credentials in environment variables." came with every command on S3)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
+    if not args.verbose:
+        logging.getLogger("ckptd").setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
     except CkptdError as exc:

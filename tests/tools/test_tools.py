@@ -338,6 +338,12 @@ def test_reshard_and_export_on_s3(s3_uri, tmp_path, capsys):
                      "--out", out)
     got = safetensors.torch.load_file(out)
     assert torch.equal(got["w"], full["model/w"]) and torch.equal(got["b"], full["model/b"])
+    # a command's stderr holds only ckptd's own lines: botocore's INFO "Found credentials in
+    # environment variables." came with every command
+    proc = subprocess.run([sys.executable, "-m", "ckptd.cli", "ls", f"{s3_uri}/s3job"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "committed" in proc.stdout
+    assert proc.stderr == "", proc.stderr
 
 
 def test_a_damaged_commit_marker_is_reported_and_does_not_stop_the_tools(tmp_path, capsys):
