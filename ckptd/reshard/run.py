@@ -464,14 +464,27 @@ class Workers:
     @staticmethod
     def detect() -> Workers:
         """torch.distributed's rank/world if initialized; else start a gloo group when run
-        under torchrun (``WORLD_SIZE`` > 1); else a single worker.  A single worker never
-        imports torch (a group can only be initialized if torch is imported already)."""
+        under torchrun (``WORLD_SIZE`` > 1 and torchrun's ``TORCHELASTIC_RUN_ID``); else a
+        single worker.  A single worker never imports torch (a group can only be initialized
+        if torch is imported already).
+
+        ``WORLD_SIZE`` alone is not enough: a training job's launcher (a Kubernetes
+        PyTorchJob, a batch script) exports ``WORLD_SIZE``/``RANK``/``MASTER_*`` to every
+        shell of its containers, and an operator's ``ckptd reshard`` there would wait for
+        workers that never come, or join the training job's rendezvous store.
+        """
         if "torch.distributed" in sys.modules:
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized():
                 return Workers(dist.get_rank(), dist.get_world_size())
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        world = os.environ.get("WORLD_SIZE", "1") or "1"
+        if world.isdigit() and int(world) > 1:
+            if "TORCHELASTIC_RUN_ID" not in os.environ:
+                log.warning(
+                    "WORLD_SIZE=%s is set, but not by torchrun: running as a single reshard "
+                    "worker (to split the work, run the command under torchrun)", world)
+                return Workers()
             import torch.distributed as dist
 
             dist.init_process_group("gloo")
