@@ -20,15 +20,20 @@ DEFAULT_STORAGE = "demo-out/ckpt"
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("demo", help="train, save and reload a small FSDP2 job (no setup needed)")
+    p = sub.add_parser(
+        "demo", help="train, save and reload a small FSDP2 job (no setup needed)",
+        description="Train a small FSDP2 model on CPU ranks (gloo), save it every few steps "
+                    "through a ckptd daemon it starts (or embedded), then reload the latest "
+                    "step at another world size and check it is bit-identical.")
     p.add_argument("--storage", default=DEFAULT_STORAGE,
                    help=f"checkpoint location (path, file:// or s3:// URI; default {DEFAULT_STORAGE})")
-    p.add_argument("--job", default="demo")
-    p.add_argument("--world-size", type=int, default=2, help="ranks that train and save")
-    p.add_argument("--load-world-size", type=int, default=3, help="ranks that reload")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--save-every", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--job", default="demo", help="job name (default demo)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks that train and save (default 2)")
+    p.add_argument("--load-world-size", type=int, default=3, help="ranks that reload (default 3)")
+    p.add_argument("--steps", type=int, default=6, help="training steps (default 6)")
+    p.add_argument("--save-every", type=int, default=2, help="save every N steps (default 2)")
+    p.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
     p.add_argument("--embedded", action="store_true",
                    help="write from the training processes instead of a daemon")
     p.set_defaults(func=run)
