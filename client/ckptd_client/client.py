@@ -598,7 +598,8 @@ class CheckpointClient:
     def _finish_at_exit(self) -> None:
         """Interpreter exit with saves in flight: hand them over (overlap mode's copy) and,
         in embedded mode, write this rank's part and try the commit.  Commits that wait for
-        other ranks are not waited for (a dead rank would hold the exit for commit_timeout)."""
+        other ranks are not waited for (a dead rank would hold the exit for commit_timeout),
+        nor, with a daemon, the daemon's writes."""
         if self._closed or all(h.done() for h in self._inflight):
             return
         self._closed = True
@@ -607,7 +608,10 @@ class CheckpointClient:
                  "commits)", self.job)
         if self._stager is not None:
             self._stager.shutdown(wait=True)
-        self._transport.close()
+        from ckptd_client.transport.embedded import EmbeddedTransport
+
+        if isinstance(self._transport, EmbeddedTransport):  # the daemon has what was handed over
+            self._transport.close()
 
     def __enter__(self) -> CheckpointClient:
         return self

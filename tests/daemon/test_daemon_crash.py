@@ -117,3 +117,41 @@ def test_second_sigterm_aborts_without_committing(tmp_path, daemons):
     assert committed_steps(store, "abort") == []
     assert not any(k.endswith("_ranks/0.json") for k in store.list_files("abort"))
     client.close()
+
+
+@pytest.mark.slow
+def test_trainer_that_exits_after_save_async_hands_over_and_does_not_wait_for_the_daemon(
+        tmp_path, daemons):
+    """A script that ends right after save_async (copy and overlap mode) exits at once with
+    its saves handed over: the daemon holds every write (gate closed) and the script still
+    exits; both steps commit once the daemon may write."""
+    root = str(tmp_path)
+    gate = os.path.join(root, "gate")
+    d = daemons.start(env={"CKPTD_TEST_WRITE_GATE": gate})
+    script = (
+        "import torch\n"
+        "from ckptd_client import CheckpointClient\n"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Linear(64, 64)\n"
+        f"c = CheckpointClient('exits', daemon={d.address!r})\n"
+        "c.save_async(m, step=1)\n"
+        "c.save_async(m, step=2, overlap=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    store = open_storage(f"file://{root}/store")
+    assert committed_steps(store, "exits") == []   # exited before the daemon wrote anything
+    open(gate, "w").close()
+    for _ in range(600):
+        if committed_steps(store, "exits") == [1, 2]:
+            break
+        time.sleep(0.1)
+    assert committed_steps(store, "exits") == [1, 2], d.log()
+    torch.manual_seed(0)
+    want = torch.nn.Linear(64, 64)
+    for step in (1, 2):
+        back = torch.nn.Linear(64, 64)
+        CheckpointClient("exits", daemon=d.address).load(back, step=step)
+        assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(),
+                                                     want.state_dict().values()))
