@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from ckptd.daemon.priority import DEFAULT_IO_NICE, MAX_NICE
 from ckptd.errors import ConfigError
@@ -101,6 +101,18 @@ def memory_limit() -> int | None:
     return min(limits) if limits else None
 
 
+DEFAULT_STAGING_BYTES = 8 << 30
+
+
+def default_staging_bytes(limit: int | None) -> int:
+    """The budget when none is given: 8 GiB, or half of ``limit`` (the memory the daemon
+    can have, :func:`memory_limit`) on a smaller node or container, so that the daemon
+    starts with its defaults anywhere; an explicit budget beyond ``limit`` is refused."""
+    if limit is None:
+        return DEFAULT_STAGING_BYTES
+    return max(1 << 20, min(DEFAULT_STAGING_BYTES, limit // 2))
+
+
 def check_staging_fits(staging_bytes: int, limit: int | None = None) -> None:
     """Refuse a staging budget larger than the memory the daemon can have: segments are
     pre-faulted memory charged to the daemon, so such a budget is never a limit -- the
@@ -128,7 +140,7 @@ class DaemonConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     token_file: str | None = None
-    staging_bytes: int = 8 << 30
+    staging_bytes: int = DEFAULT_STAGING_BYTES
     shm_dir: str | None = None
     write_concurrency: int = 8
     io_nice: int = DEFAULT_IO_NICE
@@ -212,7 +224,8 @@ _FLAGS: dict[str, tuple[object, str]] = {
     "tls_cert": (str, "PEM server certificate (chain) for --listen"),
     "tls_key": (str, "PEM private key for --listen"),
     "token_file": (str, "file holding the bearer token TCP clients must send"),
-    "staging_bytes": (parse_size, "node-wide staging budget, e.g. 16GiB (default 8GiB)"),
+    "staging_bytes": (parse_size, ("node-wide staging budget, e.g. 16GiB (default 8GiB, or "
+                                   "half the node's or container's memory if less)")),
     "shm_dir": (str, ("accepted for compatibility; staging segments are memfd-backed and do "
                       "not live in a directory (see docs/DAEMON.md)")),
     "write_concurrency": (int, "concurrent object writes (default 8)"),
@@ -248,6 +261,7 @@ def from_args(args: argparse.Namespace | None = None,
     """The daemon's settings: flags over ``CKPTD_*`` variables over defaults."""
     env = os.environ if env is None else env
     cfg = DaemonConfig()
+    given_staging = False
     for name, (conv, _help) in _FLAGS.items():
         value = getattr(args, name, None) if args is not None else None
         if value is None:
@@ -259,9 +273,9 @@ def from_args(args: argparse.Namespace | None = None,
             except ConfigError as exc:
                 raise ConfigError(f"CKPTD_{name.upper()}={raw!r} is invalid: {exc}") from None
         setattr(cfg, name, value)
-    for f in fields(cfg):
-        if f.name == "staging_bytes":
-            cfg.staging_bytes = parse_size(cfg.staging_bytes)
+        given_staging = given_staging or name == "staging_bytes"
+    cfg.staging_bytes = (parse_size(cfg.staging_bytes) if given_staging
+                         else default_staging_bytes(memory_limit()))
     delay = env.get("CKPTD_TEST_WRITE_DELAY")
     if delay:
         cfg.test_write_delay = float(delay)

@@ -7,7 +7,15 @@ import os
 
 import pytest
 
-from ckptd.daemon.config import DEFAULT_SOCKET, add_serve_arguments, from_args, parse_size
+from ckptd.daemon.config import (
+    DEFAULT_SOCKET,
+    add_serve_arguments,
+    check_staging_fits,
+    default_staging_bytes,
+    from_args,
+    memory_limit,
+    parse_size,
+)
 from ckptd.errors import ConfigError
 
 
@@ -30,7 +38,8 @@ def test_sizes():
 
 def test_defaults_env_and_flag_precedence():
     cfg = parse(["--storage", "file:///x"])
-    assert cfg.socket == DEFAULT_SOCKET and cfg.staging_bytes == 8 << 30
+    assert cfg.socket == DEFAULT_SOCKET
+    assert cfg.staging_bytes == default_staging_bytes(memory_limit())
     assert cfg.write_concurrency == 8 and cfg.metrics_port == 9400 and cfg.drain_timeout == 600
     env = {"CKPTD_STORAGE": "s3://b/p", "CKPTD_STAGING_BYTES": "16GiB",
            "CKPTD_WRITE_CONCURRENCY": "3", "CKPTD_KEEP_LAST": "5", "CKPTD_LOG_FORMAT": "json",
@@ -83,11 +92,27 @@ def test_bad_values_say_what_was_expected(capsys):
         parse([], {"CKPTD_STORAGE": "file:///x", "CKPTD_DRAIN_TIMEOUT": "nan"})
 
 
+def test_default_budget_fits_small_nodes_and_explicit_budget_is_kept():
+    # 8 GiB where memory allows it; half the memory on a smaller node or container, so
+    # `ckptd serve` with its defaults starts there instead of refusing its own default
+    assert default_staging_bytes(None) == 8 << 30
+    assert default_staging_bytes(64 << 30) == 8 << 30
+    assert default_staging_bytes(16 << 30) == 8 << 30
+    assert default_staging_bytes(6 << 30) == 3 << 30
+    limit = memory_limit()
+    assert limit is not None
+    cfg = parse(["--storage", "file:///x"])
+    assert cfg.staging_bytes == min(8 << 30, limit // 2)
+    check_staging_fits(cfg.staging_bytes)  # the default always passes the start-up check
+    # a budget given on purpose is kept as given (and refused at start-up if too large)
+    assert parse(["--storage", "file:///x", "--staging-bytes", "8GiB"]).staging_bytes == 8 << 30
+    assert parse(["--storage", "file:///x"], {"CKPTD_STAGING_BYTES": "2GiB"}).staging_bytes \
+        == 2 << 30
+
+
 def test_staging_budget_beyond_memory_is_refused_at_startup(tmp_path):
     import subprocess
     import sys
-
-    from ckptd.daemon.config import check_staging_fits, memory_limit
 
     limit = memory_limit()
     assert limit is not None and limit > 0
