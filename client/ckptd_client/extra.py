@@ -20,13 +20,27 @@ _MARKERS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
 _PLAIN = frozenset((int, float, str, bool, type(None)))
 
 
-def _encode_seq(seq: list | tuple, tensors: list[torch.Tensor], path: str) -> list:
+def _encode_seq(seq: list | tuple, tensors: list[torch.Tensor], path: str,
+                active: set[int]) -> list:
     if all(type(v) in _PLAIN for v in seq):  # e.g. Python's RNG state: 625 ints, every save
         return list(seq)
-    return [encode(v, tensors, f"{path}[{i}]") for i, v in enumerate(seq)]
+    return [_encode(v, tensors, f"{path}[{i}]", active) for i, v in enumerate(seq)]
 
 
 def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
+    """``obj`` as a JSON document whose tensors (and numpy arrays) are appended to
+    ``tensors`` and referenced by index; a value it cannot store is a ConfigError."""
+    try:
+        return _encode(obj, tensors, path, set())
+    except RecursionError:
+        raise ConfigError(
+            f"{path} is nested too deeply to store (Python's recursion limit was reached): "
+            "flatten the structure before saving"
+        ) from None
+
+
+def _encode(obj: Any, tensors: list[torch.Tensor], path: str, active: set[int]) -> Any:
+    """``active``: the ids of the containers ``obj`` is inside (a cycle is an error)."""
     try:
         import numpy as np
     except ImportError:  # pragma: no cover
@@ -43,13 +57,26 @@ def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
         return {"__ndarray__": len(tensors) - 1}
     if np is not None and isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": _encode_seq(obj, tensors, path)}
-    if isinstance(obj, list):
-        return _encode_seq(obj, tensors, path)
-    if isinstance(obj, dict):
+    if not isinstance(obj, (tuple, list, dict)):
+        raise ConfigError(
+            f"extra state value at {path} is a {type(obj).__name__}, which ckptd cannot store "
+            "without pickle; expected JSON values, tuples, dicts, tensors or numpy arrays. "
+            "Convert it (e.g. call its state_dict()) before saving."
+        )
+    if id(obj) in active:
+        raise ConfigError(
+            f"extra state value at {path} is a {type(obj).__name__} that contains itself (a "
+            "cycle); expected a tree of JSON values, tuples, dicts and tensors. Remove the "
+            "cycle before saving."
+        )
+    active.add(id(obj))
+    try:
+        if isinstance(obj, tuple):
+            return {"__tuple__": _encode_seq(obj, tensors, path, active)}
+        if isinstance(obj, list):
+            return _encode_seq(obj, tensors, path, active)
         if all(isinstance(k, str) and k not in _MARKERS for k in obj):
-            return {k: encode(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+            return {k: _encode(v, tensors, f"{path}.{k}", active) for k, v in obj.items()}
         items = []
         for k, v in obj.items():
             if k is not None and not isinstance(k, (bool, int, float, str, tuple)):
@@ -57,13 +84,11 @@ def encode(obj: Any, tensors: list[torch.Tensor], path: str = "extra") -> Any:
                     f"extra state key at {path} is a {type(k).__name__}; keys must be str, int, "
                     "float, bool or tuples of those"
                 )
-            items.append([encode(k, tensors, path), encode(v, tensors, f"{path}[{k!r}]")])
+            items.append([_encode(k, tensors, path, active),
+                          _encode(v, tensors, f"{path}[{k!r}]", active)])
         return {"__items__": items}
-    raise ConfigError(
-        f"extra state value at {path} is a {type(obj).__name__}, which ckptd cannot store "
-        "without pickle; expected JSON values, tuples, dicts, tensors or numpy arrays. Convert "
-        "it (e.g. call its state_dict()) before saving."
-    )
+    finally:
+        active.discard(id(obj))
 
 
 def decode(doc: Any, tensor: Callable[[int], torch.Tensor]) -> Any:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from ckptd_client import CheckpointClient
+from ckptd_client import extra as extra_state
 
 from ckptd.errors import (
     CheckpointNotFoundError,
@@ -106,6 +107,22 @@ def test_extra_state_rejects_unstorable_values(tmp_path):
     c = CheckpointClient("bad-extra", storage=_uri(tmp_path))
     with pytest.raises(ConfigError, match=r"extra state value at extra.obj is a object"):
         c.save_async(Mixed(0), step=1, extra={"obj": object()})
+    cycle: list = [1]
+    cycle.append({"again": cycle})
+    with pytest.raises(ConfigError, match=r"at extra.loop\[1\].again is a list that contains itself"):
+        c.save_async(Mixed(0), step=1, extra={"loop": cycle})
+    shared = [1, 2]  # the same list twice is not a cycle
+    assert extra_state.encode({"a": shared, "b": (shared, shared)}, []) == {
+        "a": [1, 2], "b": {"__tuple__": [[1, 2], [1, 2]]}}
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        c.save_async(Mixed(0), step=1, extra={"deep": deep})
+    # nothing was saved, and the client still saves
+    assert c.list_steps() == []
+    c.save(Mixed(0), step=1, extra={"ok": [1, 2]})
+    assert c.list_steps() == [1]
     c.close()
 
 
