@@ -11,7 +11,13 @@ from typing import Any
 
 from ckptd.format.plan import DEFAULT_PACK_THRESHOLD
 from ckptd.tools import export, gc, inspect, ls, verify
-from ckptd.tools.common import human_bytes, print_json, progress_bar, split_job_uri
+from ckptd.tools.common import (
+    human_bytes,
+    print_json,
+    progress_bar,
+    split_job_uri,
+    thread_count,
+)
 
 
 def _reshard(args: argparse.Namespace) -> int:
@@ -71,7 +77,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", default=None, metavar="URI/JOB2",
                    help="write the result as this job (its step must not be committed); "
                    "default: the same job, switching the step's COMMITTED atomically")
-    p.add_argument("--threads", type=int, default=8,
+    p.add_argument("--threads", type=thread_count, default=8,
                    help="objects built in parallel per worker (default 8)")
     p.add_argument("--pack-threshold", type=int, default=DEFAULT_PACK_THRESHOLD,
                    help="shards smaller than this many bytes go into the rank's pack "

@@ -6,6 +6,7 @@ stderr and only when stderr is a terminal and ``--json`` is off.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -131,6 +132,18 @@ def parse_duration(text: str) -> float:
     if v < 0:
         raise ConfigError(f"duration {text!r} is negative")
     return v
+
+
+def thread_count(text: str) -> int:
+    """argparse type of ``--threads``: an integer in [1, 256]."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of threads, got {text!r}") \
+            from None
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"expected a number of threads in [1, 256], got {n}")
+    return n
 
 
 def print_json(doc: Any) -> None:

@@ -57,7 +57,7 @@ from ckptd.reshard.plan import (
 )
 from ckptd.reshard.run import Executor, Verifier
 from ckptd.storage.base import StorageBackend
-from ckptd.tools.common import human_bytes, open_job, print_json, progress_bar
+from ckptd.tools.common import human_bytes, open_job, print_json, progress_bar, thread_count
 
 if TYPE_CHECKING:
     import torch
@@ -430,6 +430,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output file (must not exist)")
     p.add_argument("--optimizer", action="store_true",
                    help="also write the optimizer state (torch format only)")
-    p.add_argument("--threads", type=int, default=8, help="parallel reads (default 8)")
+    p.add_argument("--threads", type=thread_count, default=8, help="parallel reads (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)

@@ -35,7 +35,14 @@ from ckptd.format.layout import Region, chunks_overlapping, intersect, is_row_ra
 from ckptd.format.manifest import Index, Piece, RankManifest, loads
 from ckptd.format.plan import chunk_id, chunk_key
 from ckptd.storage.base import StorageBackend
-from ckptd.tools.common import human_bytes, open_job, print_json, print_table, progress_bar
+from ckptd.tools.common import (
+    human_bytes,
+    open_job,
+    print_json,
+    print_table,
+    progress_bar,
+    thread_count,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +414,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("uri", metavar="URI/JOB", help="e.g. file:///ckpt/myjob")
     p.add_argument("--step", type=int, default=None, help="step (default: latest committed)")
     p.add_argument("--all", action="store_true", help="verify every committed step")
-    p.add_argument("--threads", type=int, default=8, help="objects read in parallel (default 8)")
+    p.add_argument("--threads", type=thread_count, default=8, help="objects read in parallel (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)

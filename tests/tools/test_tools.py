@@ -416,4 +416,12 @@ def test_bad_arguments_fail_with_a_clear_message(saved_root, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["reshard", uri])  # --to-world-size is required
     assert exc.value.code == 2
+    for argv in (["reshard", uri, "--to-world-size", "2"], ["verify", uri],
+                 ["export", uri, "--format", "torch", "--out", str(tmp_path / "t.pt")]):
+        for threads, msg in (("0", "in [1, 256], got 0"), ("x", "whole number of threads")):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exc:
+                main([*argv, "--threads", threads])
+            assert exc.value.code == 2 and msg in capsys.readouterr().err, (argv, threads)
+    assert not (tmp_path / "t.pt").exists()
     assert split_job_uri("s3://bucket/prefix/job") == ("s3://bucket/prefix", "job")
