@@ -47,6 +47,10 @@ from ckptd.storage.base import StorageBackend
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 WINDOW_MIN = 32 << 20   # a read window of at least this (or the whole load, if smaller)
+#: packed entries read as one range when the bytes between them are at most this many ...
+COALESCE_GAP = 64 << 10
+#: ... and the range stays at most this long (one storage call instead of one per entry)
+COALESCE_MAX = 4 << 20
 
 
 def _slices(region: Region, origin: tuple[int, ...]) -> tuple[slice, ...]:
@@ -64,6 +68,51 @@ class _Fetch:
     nbytes: int
     crc32c: int
     what: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Read:
+    """One storage read: bytes ``[start, end)`` of ``key`` (the whole object if both are
+    None) holding the fetches ``parts``, each at its offset in the bytes read.  Packed
+    entries that lie close together in one pack object share a read."""
+
+    key: str
+    start: int | None
+    end: int | None
+    nbytes: int
+    parts: tuple[tuple[_Fetch, int], ...]
+
+
+def _coalesce(order: Sequence[_Fetch]) -> list[_Read]:
+    """The reads for ``order``, in the order of their first fetch: packed entries of one
+    pack object that come later in ``order`` at a higher offset, at most ``COALESCE_GAP``
+    bytes after the previous one, share its read (of at most ``COALESCE_MAX`` bytes) --
+    also when entries of other objects come between (a load at another world size takes
+    each tensor's pieces from several ranks' packs in turn); every other fetch is a read
+    of its own."""
+    groups: list[list[_Fetch]] = []
+    open_group: dict[str, list[_Fetch]] = {}   # per pack object: the group it may extend
+    for f in order:
+        if f.start is None or f.end is None:
+            groups.append([f])
+            continue
+        g = open_group.get(f.key)
+        if g is not None and 0 <= f.start - (g[-1].end or 0) <= COALESCE_GAP and (
+                f.end - (g[0].start or 0) <= COALESCE_MAX):
+            g.append(f)
+            continue
+        g = open_group[f.key] = [f]
+        groups.append(g)
+    reads = []
+    for g in groups:
+        first = g[0]
+        if len(g) == 1:
+            reads.append(_Read(first.key, first.start, first.end, first.nbytes, ((first, 0),)))
+            continue
+        lo, hi = first.start or 0, g[-1].end or 0
+        reads.append(_Read(first.key, lo, hi, hi - lo, tuple((f, (f.start or 0) - lo)
+                                                             for f in g)))
+    return reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +193,7 @@ class CheckpointReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open_window(self, order: Sequence[_Fetch]) -> ReadWindow | None:
+    def _open_window(self, order: Sequence[_Read]) -> ReadWindow | None:
         """The storage's read window (opened once per reader), sized for ``order``: twice
         its largest fetch, at least min(its total, 32 MiB), at most ``max_inflight_bytes``."""
         if self._window is None and not self._window_tried and order:
@@ -181,30 +230,41 @@ class CheckpointReader:
         return _Fetch(f"{self.prefix}/{p.pack}/c/0", start, start + n, n, p.crc32c or 0,
                       f"pack {p.pack!r} bytes [{start}, {start + n})")
 
-    def _fetch(self, f: _Fetch) -> memoryview:
+    def _fetch(self, r: _Read) -> dict[_Fetch, memoryview | BaseException]:
         try:
-            data = self.storage.get(f.key, f.start, f.end)
+            data = self.storage.get(r.key, r.start, r.end)
         except FileNotFoundError:
             data = None
-        return self._checked(f, data)
+        return self._split(r, data)
 
-    def _fill(self, window: ReadWindow, batch: list[tuple[_Fetch, int]],
+    def _fill(self, window: ReadWindow, batch: list[tuple[_Read, int]],
               outs: list[Future]) -> None:
-        """Read ``batch`` (fetches with their window offsets) into the window (a pool
+        """Read ``batch`` (reads with their window offsets) into the window (a pool
         thread); resolves ``outs`` in order."""
         try:
             got = window.fill([
-                WindowRead(f.key, f.start or 0, f.nbytes, off, f.start is None and f.end is None)
-                for f, off in batch])
-        except BaseException as exc:  # noqa: BLE001 - every fetch of the batch fails with it
+                WindowRead(r.key, r.start or 0, r.nbytes, off, r.start is None and r.end is None)
+                for r, off in batch])
+        except BaseException as exc:  # noqa: BLE001 - every read of the batch fails with it
             for out in outs:
                 out.set_exception(exc)
             return
-        for (f, _), data, out in zip(batch, got, outs):
+        for (r, _), data, out in zip(batch, got, outs):
+            out.set_result(self._split(r, data))
+
+    def _split(self, r: _Read, data: bytes | memoryview | int | None) -> dict[
+            _Fetch, memoryview | BaseException]:
+        """Each fetch of ``r`` checked (:meth:`_checked`): its bytes, or the error to raise
+        where it is used."""
+        out: dict[_Fetch, memoryview | BaseException] = {}
+        whole = len(r.parts) == 1 or data is None or isinstance(data, int)
+        view = None if whole else memoryview(data)  # type: ignore[arg-type]
+        for f, off in r.parts:
             try:
-                out.set_result(self._checked(f, data))
+                out[f] = self._checked(f, data if view is None else view[off:off + f.nbytes])
             except BaseException as exc:  # noqa: BLE001 - raised where the fetch is used
-                out.set_exception(exc)
+                out[f] = exc
+        return out
 
     def _checked(self, f: _Fetch, data: bytes | memoryview | int | None) -> memoryview:
         """The bytes of ``f`` (None: the object is absent; an int: its size, not read),
@@ -357,47 +417,49 @@ class CheckpointReader:
         for _, _, _, ops in work:
             for f, _ in ops:
                 fetches[f] = fetches.get(f, 0) + 1
-        order = list(fetches)
-        pending: dict[_Fetch, Future] = {}
-        done: dict[_Fetch, memoryview] = {}
+        order = _coalesce(list(fetches))
+        read_of = {f: r for r in order for f, _ in r.parts}
+        parts_left = {r: len(r.parts) for r in order}
+        pending: dict[_Read, Future] = {}
+        done: dict[_Fetch, memoryview | BaseException] = {}
         nxt = 0
         inflight = 0
         window = self._open_window(order)
-        room: dict[_Fetch, tuple[int, int]] = {}   # window offset and size held per fetch
+        room: dict[_Read, tuple[int, int]] = {}   # window offset and size held per read
 
         def pump() -> None:
-            """Submit fetches in order while the in-flight bytes allow: batches into the
+            """Submit reads in order while the in-flight bytes allow: batches into the
             window while it has room, else (nothing in flight, or too large for the
-            window) one fetch through ``storage.get``."""
+            window) one read through ``storage.get``."""
             nonlocal nxt, inflight
             while nxt < len(order) and (inflight < self.max_inflight or not pending):
-                batch: list[tuple[_Fetch, int]] = []
+                batch: list[tuple[_Read, int]] = []
                 size = 0
                 while window is not None and nxt < len(order) and (
                         len(batch) < window.max_batch_items):
-                    f = order[nxt]
-                    if batch and (size + f.nbytes > window.max_batch_bytes
+                    r = order[nxt]
+                    if batch and (size + r.nbytes > window.max_batch_bytes
                                   or inflight >= self.max_inflight):
                         break
-                    off = window.reserve(f.nbytes)
+                    off = window.reserve(r.nbytes)
                     if off is None:
                         break
-                    room[f] = (off, f.nbytes)
-                    batch.append((f, off))
-                    size += f.nbytes
-                    inflight += f.nbytes
+                    room[r] = (off, r.nbytes)
+                    batch.append((r, off))
+                    size += r.nbytes
+                    inflight += r.nbytes
                     nxt += 1
                 if batch:
                     assert window is not None
                     outs: list[Future] = [Future() for _ in batch]
-                    pending.update((f, out) for (f, _), out in zip(batch, outs))
+                    pending.update((r, out) for (r, _), out in zip(batch, outs))
                     pool.submit(self._fill, window, batch, outs)
                     continue
                 if window is not None and pending and order[nxt].nbytes <= window.capacity:
-                    return  # room comes back as the fetches in flight are used
-                f = order[nxt]
-                pending[f] = pool.submit(self._fetch, f)
-                inflight += f.nbytes
+                    return  # room comes back as the reads in flight are used
+                r = order[nxt]
+                pending[r] = pool.submit(self._fetch, r)
+                inflight += r.nbytes
                 nxt += 1
 
         try:
@@ -408,19 +470,26 @@ class CheckpointReader:
                     dtype = dtype_from_name(t.dtype)
                     for f, spec in ops:
                         if f not in done:
-                            while f not in pending:
+                            r = read_of[f]
+                            while r not in pending:
                                 pump()
-                                if f not in pending and nxt >= len(order):
+                                if r not in pending and nxt >= len(order):
                                     raise AssertionError("fetch scheduling bug")
-                            done[f] = pending.pop(f).result()
-                        self._apply(spec, done[f], dst, want, dtype, t.shape)
+                            done.update(pending.pop(r).result())
+                        data = done[f]
+                        if isinstance(data, BaseException):
+                            raise data
+                        self._apply(spec, data, dst, want, dtype, t.shape)
                         fetches[f] -= 1
                         if fetches[f] == 0:
-                            inflight -= f.nbytes
                             del done[f]
-                            held = room.pop(f, None)
-                            if held is not None and window is not None:
-                                window.release(*held)
+                            r = read_of[f]
+                            parts_left[r] -= 1
+                            if parts_left[r] == 0:
+                                inflight -= r.nbytes
+                                held = room.pop(r, None)
+                                if held is not None and window is not None:
+                                    window.release(*held)
                         pump()
                     _finish_target(tg, want, dst, t)
         finally:  # the pool has finished every fill: give back what is still held

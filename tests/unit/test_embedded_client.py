@@ -848,3 +848,49 @@ def test_a_script_that_exits_right_after_save_async_still_commits_that_save(tmp_
         back = torch.nn.Linear(64, 64)
         CheckpointClient(job, storage=_uri(tmp_path)).load(back)
         _equal(back, saved)
+
+
+class _Doubling(torch.nn.Linear):
+    """Loads every tensor doubled (a module with its own loading logic)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[override]
+        for k in list(state_dict):
+            if k.startswith(prefix):
+                state_dict[k] = state_dict[k] * 2
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def test_torch_load_state_dict_runs_only_where_it_would_do_more_than_copy_in_place(
+        tmp_path, monkeypatch):
+    """A plain module is read straight into its parameters and buffers, without torch's
+    load_state_dict (which, for a container with thousands of children, costs seconds and
+    would only copy each tensor onto itself); a module with load hooks or its own
+    ``_load_from_state_dict`` still goes through it, so that logic runs."""
+    import torch.distributed.checkpoint.state_dict as sd
+
+    calls = []
+    real = sd.set_model_state_dict
+    monkeypatch.setattr(sd, "set_model_state_dict",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(20)),
+                                torch.nn.LayerNorm(3))
+    plain.register_buffer("count", torch.arange(5))
+    hooked = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    seen = []
+    hooked[1].register_load_state_dict_post_hook(lambda mod, keys: seen.append(mod))
+    custom = torch.nn.Sequential(_Doubling(3, 3))
+    client = CheckpointClient("j", storage=f"file://{tmp_path}")
+    for i, model in enumerate((plain, hooked, custom)):
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        client.save(model, step=i)
+        with torch.no_grad():
+            for v in model.state_dict().values():
+                v.add_(1)
+        client.load(model, step=i)
+        factor = 2 if model is custom else 1
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k] * factor), k
+    assert len(calls) == 2          # hooked and custom only
+    assert seen == [hooked[1]]
+    client.close()

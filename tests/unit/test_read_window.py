@@ -151,7 +151,8 @@ def saved(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
     return root, want
 
 
-def _read_all(storage: Any) -> tuple[CheckpointReader, dict[str, torch.Tensor]]:
+def _read_all(storage: Any, names: Sequence[str] | None = None) -> tuple[
+        CheckpointReader, dict[str, torch.Tensor]]:
     rec = resolve_step(storage, "w", None)
     index = read_index(storage, rec)
     reader = CheckpointReader(storage, index, paths.attempt_prefix("w", 1, rec.attempt),
@@ -159,8 +160,8 @@ def _read_all(storage: Any) -> tuple[CheckpointReader, dict[str, torch.Tensor]]:
     from ckptd.format.dtypes import dtype_from_name
     from ckptd.format.items import LoadTarget
 
-    outs = {n: torch.empty(t.shape, dtype=dtype_from_name(t.dtype))
-            for n, t in index.tensors.items()}
+    outs = {n: torch.empty(index.tensors[n].shape, dtype=dtype_from_name(index.tensors[n].dtype))
+            for n in (index.tensors if names is None else names)}
     reader.read_targets([LoadTarget(n, tuple(o.shape), o.dtype, o) for n, o in outs.items()])
     return reader, outs
 
@@ -333,3 +334,71 @@ def test_stream_read_is_tried_again_when_its_connection_broke():
     with pytest.raises(ConfigError):
         storage.get("j/k")
     assert len(calls) == 1                    # only a broken connection is tried again
+
+
+@pytest.fixture(scope="module")
+def many_small(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """A checkpoint of 60 small parameters and their AdamW state: 241 packed entries."""
+    root = str(tmp_path_factory.mktemp("many"))
+    torch.manual_seed(4)
+    m = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(60))
+    opt = torch.optim.AdamW(m.parameters())
+    sum(p.sum() for p in m.parameters()).backward()
+    opt.step()
+    client = CheckpointClient("w", storage=f"file://{root}")
+    client.save(m, optimizer=opt, step=1)
+    client.close()
+    want = dict(m.state_dict(prefix="model/"))
+    for i, p in enumerate(m.parameters()):
+        for k, v in opt.state[p].items():
+            want[f"optim/{i}.weight/{k}"] = v
+    return root, want
+
+
+@pytest.mark.parametrize("capacity", [0, 8 << 20])
+def test_packed_entries_close_together_are_read_with_one_storage_call(many_small, capacity):
+    """Packed entries lie side by side in the rank's pack object: they are fetched as one
+    range (each still verified against its own checksum), not one call per entry."""
+    root, want = many_small
+    storage = WindowedBackend(root, capacity) if capacity else WindowedBackend(root, 1)
+    reader, got = _read_all(storage, list(want))    # in the model's order, as load reads
+    for n, t in want.items():
+        assert torch.equal(got[n], t), n
+    packed = sum(1 for t in reader.index.tensors.values() for p in t.pieces if p.pack)
+    assert packed > 200
+    calls = storage.gets + sum(sum(w.fills) for w in storage.windows)
+    assert calls <= 3, calls   # COMMITTED, index.json, the pack (one per entry before)
+    assert all(w.alloc.in_use == 0 for w in storage.windows)
+    reader.close()
+
+
+@pytest.mark.parametrize("capacity", [0, 8 << 20])
+def test_a_damaged_or_truncated_entry_of_a_shared_read_is_named(many_small, tmp_path, capacity):
+    root, want = many_small
+    names = list(want)
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy)
+    storage = WindowedBackend(copy, capacity) if capacity else WindowedBackend(copy, 1)
+    rec = resolve_step(storage, "w", None)
+    index = read_index(storage, rec)
+    p = index.tensors["model/30.weight"].pieces[0]
+    assert p.pack is not None and p.byte_offset
+    pack = os.path.join(copy, paths.attempt_prefix("w", 1, rec.attempt), p.pack, "c", "0")
+    with open(pack, "r+b") as f:
+        f.seek(p.byte_offset + 5)
+        byte = f.read(1)
+        f.seek(p.byte_offset + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=(
+            rf"checksum mismatch in pack '_packs/0' bytes \[{p.byte_offset}, "
+            rf"{p.byte_offset + p.nbytes}\)")):
+        _read_all(storage, names)
+    assert all(w.alloc.in_use == 0 for w in storage.windows)
+    os.truncate(pack, p.byte_offset + 10)
+    with pytest.raises(CorruptCheckpointError, match=(
+            rf"pack '_packs/0' bytes \[{p.byte_offset}, {p.byte_offset + p.nbytes}\): "
+            rf"expected {p.nbytes} bytes, found 10")):
+        _read_all(storage, names)
+    assert all(w.alloc.in_use == 0 for w in storage.windows)

@@ -298,6 +298,38 @@ def _resolve(model: torch.nn.Module, fqn: str) -> tuple[torch.nn.Module, str] | 
     return None
 
 
+def _loaded_in_place(model: torch.nn.Module, msd: dict[str, Any]) -> bool:
+    """Whether ``set_model_state_dict(model, msd)`` would change nothing, because the reader
+    filled ``msd``'s tensors and they are the live parameters' and buffers' own memory.
+
+    True only for plain tensors (no DTensor, ShardedTensor: FSDP1/FSDP2/TP keep the torch
+    call) in modules with torch's own ``load_state_dict`` / ``_load_from_state_dict`` and no
+    load-state-dict hooks: torch would then only ``copy_`` each tensor onto itself, which
+    for a module with thousands of children costs seconds (its ``load_state_dict`` filters
+    the whole state dict once per child).  Anything else keeps torch's call, so custom
+    loading logic and hooks run as they would without ckptd.
+    """
+    base = torch.nn.Module
+    for m in model.modules():
+        cls = type(m)
+        if (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
+                or cls._load_from_state_dict is not base._load_from_state_dict
+                or cls.load_state_dict is not base.load_state_dict
+                or cls.set_extra_state is not base.set_extra_state):
+            return False
+    for fqn, v in msd.items():
+        where = _resolve(model, fqn)
+        if where is None or type(v) is not torch.Tensor:
+            return False
+        live = getattr(*where)
+        if type(live) not in (torch.Tensor, torch.nn.Parameter) or not (
+                live.data_ptr() == v.data_ptr() and live.dtype == v.dtype
+                and live.device == v.device and live.shape == v.shape
+                and live.stride() == v.stride()):
+            return False
+    return True
+
+
 def _storage_ptr(t: Any) -> int:
     if _is_dtensor(t):
         t = t._local_tensor
@@ -502,7 +534,8 @@ class TorchAdapter(FrameworkAdapter):
             group_params = [list(g["params"]) for g in groups]
 
         def finish(param_groups: list[dict[str, Any]] | None) -> None:
-            set_model_state_dict(model, msd, options=opts)
+            if not _loaded_in_place(model, msd):
+                set_model_state_dict(model, msd, options=opts)
             if optimizer is not None and osd is not None:
                 for state, key, holder in scalars:
                     state[key] = holder.item()
