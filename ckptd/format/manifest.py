@@ -136,6 +136,47 @@ class Piece:
                 self.byte_offset or 0, self.flat_start or 0)
 
 
+def _piece_bytes(p: Piece, arrays: dict[str, ArrayRecord]) -> tuple[int, int] | None:
+    """(nbytes, crc32c) of exactly the bytes of piece ``p`` (a packed entry, or a whole
+    one-chunk array of the piece's shape), or None where the index has no such checksum."""
+    if p.pack is not None:
+        return None if p.nbytes is None or p.crc32c is None else (p.nbytes, p.crc32c)
+    a = arrays.get(p.array or "")
+    if (a is None or p.flat_start is not None or a.shape != p.region.shape
+            or a.chunk_shape != a.shape or len(a.chunks) != 1):
+        return None
+    (rec,) = a.chunks.values()
+    return rec.nbytes, rec.crc32c
+
+
+def _drop_replica_pieces(name: str, pieces: list[Piece],
+                         arrays: dict[str, ArrayRecord]) -> list[Piece]:
+    """``pieces`` with one piece per region: several ranks store the same region of a
+    tensor they all hold (a DTensor on a sub-mesh, e.g. a parameter sharded over "dp" only
+    in a dp x tp job, is the same on every "tp" rank), each in its own pack or piece array.
+    The first (lowest rank's) is kept; the others must hold the same bytes."""
+    first: dict[Region, Piece] = {}
+    out: list[Piece] = []
+    for p in pieces:
+        have = first.get(p.region)
+        if have is None:
+            first[p.region] = p
+            out.append(p)
+            continue
+        a, b = _piece_bytes(have, arrays), _piece_bytes(p, arrays)
+        if a is None or a != b:
+            src = [q.pack or q.array for q in (have, p)]
+            how = "with different contents" if a and b else "twice"
+            raise CorruptCheckpointError(
+                f"tensor {name}: two ranks stored region offsets {list(p.region.offsets)} "
+                f"shape {list(p.region.shape)} ({src[0]} and {src[1]}) {how}. A tensor "
+                "that several ranks hold (e.g. a DTensor on a sub-mesh, replicated over the "
+                "other mesh dims) must be identical on each of them: "
+                "keep the replicas in sync (same initialization and gradients) and save again."
+            )
+    return out
+
+
 @dataclass(slots=True)
 class TensorRecord:
     """A logical tensor: global shape, dtype and the pieces that store it."""
@@ -321,7 +362,8 @@ class Index:
                     )
                 seen = set(have_t.pieces)
                 have_t.pieces.extend(p for p in t.pieces if p not in seen)
-        for t in tensors.values():
+        for name, t in tensors.items():
+            t.pieces = _drop_replica_pieces(name, t.pieces, arrays)
             t.pieces.sort(key=Piece.sort_key)
         return Index(
             job=first.job, step=first.step, attempt=first.attempt,

@@ -8,7 +8,9 @@ Each becomes a :class:`SaveItem`:
 * DTensor: the local region from the mesh coordinates; dims sharded by exactly one mesh
   dim get a regular chunk grid ``ceil(d / n)`` (``torch.chunk`` semantics), so every rank
   writes whole chunks; ranks that are replicas along a ``Replicate`` mesh dim (HSDP) write
-  nothing.  Other layouts (e.g. strided shards) are stored as per-rank piece arrays.
+  nothing.  Other layouts (strided shards: TP x FSDP2) are stored as per-rank piece
+  arrays; a DTensor whose local part is not one box (Partial, scattered strided shards,
+  ``from_local`` with uneven sizes) is a ConfigError.
 * ShardedTensor: one item per local shard, chunk grid along dim 0.
 * plain tensor: replicated; one rank writes it.
 """
@@ -16,8 +18,9 @@ Each becomes a :class:`SaveItem`:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,9 +67,120 @@ def framework_of(model: torch.nn.Module) -> str:
     return "plain"
 
 
-def _dtensor_layout(v: Any) -> tuple[Region, Shape | None, bool]:
-    """(local region, chunk shape or None, whether this rank writes it) of a DTensor."""
-    return _layout(tuple(v.shape), v.device_mesh, tuple(v.placements))
+def _dtensor_layout(name: str, v: Any) -> tuple[Region, Shape | None, bool]:
+    """(local region, chunk shape or None, whether this rank writes it) of a DTensor.
+
+    ConfigError for a layout ckptd cannot store as boxes: a placement other than Shard,
+    _StridedShard and Replicate (Partial values need a reduction first), strided shards
+    whose local rows are not one contiguous range, or a local tensor of another shape than
+    the placements give (``DTensor.from_local`` with uneven local sizes).
+    """
+    mesh = v.device_mesh
+    try:
+        region, chunk, writer = _layout(tuple(v.shape), mesh, tuple(v.placements))
+    except _LayoutError as e:
+        raise ConfigError(
+            f"cannot checkpoint {name!r}: a DTensor of shape {list(v.shape)} with placements "
+            f"{tuple(v.placements)} on a mesh of shape {tuple(mesh.shape)}: {e}"
+        ) from None
+    local = tuple(_local_of(v).shape)
+    if local != region.shape:
+        raise ConfigError(
+            f"cannot checkpoint {name!r}: a DTensor of shape {list(v.shape)} with placements "
+            f"{tuple(v.placements)} on a mesh of shape {tuple(mesh.shape)}: its local tensor "
+            f"on this rank has shape {list(local)}, but these placements give this rank "
+            f"(mesh coordinate {mesh.get_coordinate()}) the box at offsets "
+            f"{list(region.offsets)} of shape {list(region.shape)} (torch.chunk split, as "
+            "distribute_tensor splits). ckptd stores DTensors split that way only: build it "
+            "with distribute_tensor, or DTensor.from_local with the local sizes torch.chunk "
+            "gives, or save its full_tensor() instead."
+        )
+    return region, chunk, writer
+
+
+class _LayoutError(ValueError):
+    pass
+
+
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """Part ``i`` of ``k`` of a length-``n`` sequence, as torch.chunk splits it."""
+    c = -(-n // k)
+    return min(n, i * c), min(n, (i + 1) * c)
+
+
+def _take(ivs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Positions ``[lo, hi)`` of the index sequence made of the intervals ``ivs``."""
+    out = []
+    pos = 0
+    for a, b in ivs:
+        s, e = max(lo, pos), min(hi, pos + b - a)
+        if s < e:
+            out.append((a + s - pos, a + e - pos))
+        pos += b - a
+    return out
+
+
+def _shard_indices(n: int, mesh_shape: Shape, coord: Sequence[int], placements: tuple,
+                   dim: int) -> list[tuple[int, int]]:
+    """The indices of tensor dim ``dim`` (length ``n``) that mesh coordinate ``coord``
+    holds, as intervals in the order the local tensor holds them: placements applied left
+    to right, ``Shard`` taking its torch.chunk part, ``_StridedShard(sf)`` splitting into
+    ``sf`` parts first and taking its part of each (as ``_StridedShard._split_tensor``)."""
+    ivs = [(0, n)] if n else []
+    for m, p in enumerate(placements):
+        if not _is_shard_like(p) or p.dim != dim:
+            continue
+        total = sum(b - a for a, b in ivs)
+        sf = int(p.split_factor) if _is_strided_shard(p) else 1
+        nxt: list[tuple[int, int]] = []
+        for j in range(sf):
+            a, b = _chunk(total, sf, j)
+            lo, hi = _chunk(b - a, mesh_shape[m], coord[m])
+            nxt += _take(ivs, a + lo, a + hi)
+        ivs = nxt
+    merged: list[tuple[int, int]] = []
+    for a, b in ivs:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _strided_dims_not_boxes(shape: Shape, mesh_shape: Shape, placements: tuple) -> list[int]:
+    """Tensor dims where some rank's strided shard is not one contiguous, ascending range.
+
+    torch reports a rank's part of each dim as (first offset, length); with ``_StridedShard``
+    the true indices may be scattered (``Shard(0), _StridedShard(0, split_factor=2)`` gives
+    mesh coordinate (0, 0) rows 0 and 2 of 8), which no box describes.  Checked for every
+    coordinate (pure arithmetic on intervals), so that all ranks refuse such a layout.
+    """
+    bad = []
+    for dim in sorted({p.dim for p in placements if _is_strided_shard(p)}):
+        mdims = [m for m, p in enumerate(placements) if _is_shard_like(p) and p.dim == dim]
+        coord = [0] * len(mesh_shape)
+        for sub in itertools.product(*(range(mesh_shape[m]) for m in mdims)):
+            for m, c in zip(mdims, sub):
+                coord[m] = c
+            if len(_shard_indices(shape[dim], mesh_shape, coord, placements, dim)) > 1:
+                bad.append(dim)
+                break
+    return bad
+
+
+def _is_strided_shard(p: Any) -> bool:
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # pragma: no cover - torch without strided shards
+        return False
+    return isinstance(p, _StridedShard)
+
+
+def _is_shard_like(p: Any) -> bool:
+    """Shard or _StridedShard (which is not a Shard subclass in torch >= 2.10)."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(p, Shard) or _is_strided_shard(p)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -76,20 +190,44 @@ def _layout(shape: Shape, mesh: Any, placements: tuple) -> tuple[Region, Shape |
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    for mdim, p in enumerate(placements):
+        if not (_is_shard_like(p) or isinstance(p, Replicate)):
+            raise _LayoutError(
+                f"mesh dim {mdim} has placement {p}; ckptd stores Shard, _StridedShard and "
+                "Replicate placements only (a Partial DTensor holds per-rank values still to "
+                "be reduced). Reduce it first (t.redistribute(placements=...) with Replicate() "
+                "or Shard(d) in place of each Partial), or keep it out of the saved state."
+            )
+    bad = _strided_dims_not_boxes(shape, tuple(mesh.shape), placements)
+    if bad:
+        raise _LayoutError(
+            f"with these strided shards a rank's part of dim {bad[0]} is not one contiguous "
+            "range of indices, which ckptd cannot store as a box. Redistribute it to "
+            "another layout (t.redistribute(placements=...)) or save its full_tensor()."
+        )
     local_shape, offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh,
                                                                 placements)
     region = Region(tuple(int(x) for x in offset), tuple(int(x) for x in local_shape))
     coord = mesh.get_coordinate() or [0] * mesh.ndim
-    writer = all(
-        c == 0 for c, p in zip(coord, placements) if not isinstance(p, Shard)
-    )
+    for dim in {p.dim for p in placements if _is_strided_shard(p)}:
+        ivs = _shard_indices(shape[dim], tuple(mesh.shape), coord, placements, dim)
+        box = (region.offsets[dim], region.offsets[dim] + region.shape[dim])
+        if (ivs[0] if ivs else None) != (box if region.shape[dim] else None):
+            raise _LayoutError(
+                f"torch places this rank's part of dim {dim} at [{box[0]}, {box[1]}) but "
+                f"ckptd computes {ivs}: ckptd does not know this torch version's strided "
+                "shards. Redistribute it to Shard/Replicate placements "
+                "(t.redistribute(placements=...)) or save its full_tensor()."
+            )
+    # replicas along a Replicate mesh dim (HSDP) skip it; every shard writes its part
+    writer = all(c == 0 for c, p in zip(coord, placements) if not _is_shard_like(p))
     per_dim: dict[int, list[int]] = {}
     grid_ok = True
     for mdim, p in enumerate(placements):
         if type(p) is Shard:
             per_dim.setdefault(p.dim, []).append(mesh.size(mdim))
         elif not isinstance(p, Replicate):
-            grid_ok = False  # _StridedShard, Partial: no regular grid
+            grid_ok = False  # _StridedShard: no regular grid; stored as per-rank pieces
     chunk: Shape | None = None
     if grid_ok and all(len(ns) == 1 for ns in per_dim.values()):
         chunk = tuple(
@@ -108,7 +246,7 @@ def _local_of(v: Any) -> torch.Tensor:
 
 def _items_for(name: str, v: Any) -> list[SaveItem]:
     if _is_dtensor(v):
-        region, chunk, writer = _dtensor_layout(v)
+        region, chunk, writer = _dtensor_layout(name, v)
         local = _local_of(v)
         return [SaveItem(name, tuple(v.shape), v.dtype, local, region, writer=writer,
                          chunk_shape=chunk)]
@@ -142,7 +280,7 @@ def _items_for(name: str, v: Any) -> list[SaveItem]:
 
 def _targets_for(name: str, v: Any, out: list[LoadTarget]) -> TensorMeta:
     if _is_dtensor(v):
-        region, _, _ = _dtensor_layout(v)
+        region, _, _ = _dtensor_layout(name, v)
         out.append(LoadTarget(name, tuple(v.shape), v.dtype, v.to_local(), region=region))
         return TensorMeta(tuple(v.shape), v.dtype)
     if _is_sharded_tensor(v):
