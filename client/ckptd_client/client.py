@@ -291,18 +291,24 @@ class CheckpointClient:
         self._counters.saves += 1
         phases = self.last_phases = {}
         t0 = time.perf_counter()
-        items, groups, doc, framework = self._collect(model, optimizer, extra)
-        _check_not_meta(items, step)
-        t1 = time.perf_counter()
+        # counted before anything can fail, so that the ranks' attempt names stay in step
+        # when one rank's save fails here and another's does not
+        attempt = self._next_attempt()
         try:
-            plan = self._plan(items)
-        except TypeError:
-            _check_dtypes(items, step)  # names the tensors ckptd cannot store
+            items, groups, doc, framework = self._collect(model, optimizer, extra)
+            _check_not_meta(items, step)
+            t1 = time.perf_counter()
+            try:
+                plan = self._plan(items)
+            except TypeError:
+                _check_dtypes(items, step)  # names the tensors ckptd cannot store
+                raise
+        except Exception as exc:
+            self._abandon(step, attempt, exc)
             raise
         t2 = time.perf_counter()
         phases["collect"], phases["plan"] = t1 - t0, t2 - t1
-        ident = SaveIdentity(self.job, step, self._next_attempt(), self.rank, self.world_size,
-                             framework)
+        ident = SaveIdentity(self.job, step, attempt, self.rank, self.world_size, framework)
         lease = self._acquire(plan.nbytes)
         phases["acquire"] = time.perf_counter() - t2
         if lease is None:
@@ -365,6 +371,18 @@ class CheckpointClient:
         handle.add_done_callback(self._count_failure)
         self._inflight = [h for h in self._inflight if not h.done()] + [handle]
         return handle
+
+    def _abandon(self, step: int, attempt: str, exc: Exception) -> None:
+        """This rank's part of a save failed before it was handed over, so the attempt can
+        never commit: let the other ranks know instead of waiting (a ConfigError about a
+        tensor only some ranks hold, e.g. a DTensor's local shard)."""
+        if self.world_size <= 1:
+            return
+        if self.backpressure != "block":
+            _all_ranks(False, self.group)  # the others are in _acquire's all-reduce
+        self._transport.abandon(
+            SaveIdentity(self.job, step, attempt, self.rank, self.world_size, "unknown"),
+            f"{type(exc).__name__}: {exc}")
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
              step: int | None = None, extra: Any = None,

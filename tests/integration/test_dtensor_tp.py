@@ -112,7 +112,7 @@ def tp_fsdp_job(rank: int, world: int, root: str) -> None:
             p.grad = p.detach() * 0.37 + 0.1 * (i + 1)
         opt.step()
         opt.zero_grad()
-    client = CheckpointClient("tpdp", storage=f"file://{root}")
+    client = CheckpointClient("tpdp", storage=f"file://{root}", commit_timeout=90)
     client.save(m, optimizer=opt, step=1)
     want = _full(m, opt)
     if rank == 0:
@@ -138,8 +138,17 @@ def tp_fsdp_job(rank: int, world: int, root: str) -> None:
         bad.w = torch.nn.Parameter(t)
         with pytest.raises(ConfigError, match=r"cannot checkpoint 'model/w': a DTensor .*" + msg):
             client.save(bad, step=2)
+    # local sizes 1, 2, 3, 4 of 10 rows: rank 2 holds what torch.chunk gives it (3 rows) and
+    # saves; the others refuse, and rank 2's save fails with their error instead of waiting
+    # for its commit timeout; the ranks' next save commits (same attempt names)
+    bad.w = torch.nn.Parameter(DTensor.from_local(
+        torch.randn(rank + 1, 5), init_device_mesh("cpu", (4,)), [Shard(0)],
+        shape=torch.Size((10, 5)), stride=(5, 1)))
+    with pytest.raises(Exception, match=r"its local tensor on this rank has shape \[\d, 5\]"):
+        client.save(bad, step=2)
+    client.save(m, optimizer=opt, step=3)
     client.close()
-    assert client.list_steps() == [1]
+    assert client.list_steps() == [1, 3]
 
 
 @pytest.mark.slow
@@ -154,9 +163,9 @@ def test_tp_x_fsdp2_saved_at_2x2_loads_at_4x1_1x4_plain_and_verifies(tmp_path):
     run_world(tp_fsdp_job, 4, root)
     want = torch.load(os.path.join(root, "tpdp.pt"), weights_only=True)
     m, opt = _tp_fsdp(1, 1, seed=2)
-    CheckpointClient("tpdp", storage=f"file://{root}").load(m, optimizer=opt)
+    CheckpointClient("tpdp", storage=f"file://{root}").load(m, optimizer=opt, step=1)
     got = _full(m, opt)
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], v) for k, v in want.items())
-    reports = verify(open_storage(f"file://{root}"), "tpdp")
+    reports = verify(open_storage(f"file://{root}"), "tpdp", step=1)
     assert [r.problems for r in reports] == [[]]

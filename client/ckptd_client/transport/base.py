@@ -50,5 +50,10 @@ class Transport(abc.ABC):
     def storage(self) -> StorageBackend:
         """Storage to read committed checkpoints from."""
 
+    def abandon(self, ident: SaveIdentity, error: str) -> None:
+        """This rank's save ``ident`` failed before ``submit``: tell the ranks that wait for
+        its commit, where this transport can (best effort).  Default: nothing (they wait for
+        their commit timeout)."""
+
     def close(self) -> None:
         """Release resources.  Idempotent."""

@@ -113,6 +113,9 @@ class EmbeddedTransport(Transport):
         self._writer.submit(write)
         return out
 
+    def abandon(self, ident: SaveIdentity, error: str) -> None:
+        mark_failed(self._storage, ident.job, ident.step, ident.attempt, ident.rank, error)
+
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._cancel.set()
