@@ -35,7 +35,7 @@ from ckptd.daemon.segments import Segment, StreamBuffer
 from ckptd.daemon.staging import StagingPool
 from ckptd.errors import CheckpointNotFoundError, DaemonUnavailableError, StagingError
 from ckptd.format import paths
-from ckptd.format.commit import list_steps
+from ckptd.format.commit import list_steps, mark_failed
 from ckptd.storage.base import StorageBackend
 from ckptd.v1 import ckptd_pb2 as pb
 from ckptd.v1 import ckptd_pb2_grpc as pb_grpc
@@ -154,7 +154,8 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
         return pb.ReleaseStagingResponse()
 
     # -- saving --------------------------------------------------------------------------
-    def _check_save(self, request: pb.SaveRequest) -> tuple[Any, Any, Any]:
+    def _check_save(self, request: pb.SaveRequest | pb.AbandonSaveRequest
+                    ) -> tuple[Any, Any, Any]:
         i = request.identity
         ident = validate.identity(i.job, i.step, i.attempt, i.rank, i.world_size, i.framework)
         s = self.pool.get(request.session_id)
@@ -250,6 +251,21 @@ class Servicer(pb_grpc.CheckpointServiceServicer):
             self.pool.give_back(slot)
             raise
         return self._submit(ident, request, slot, plan, buffer, extra, groups)
+
+    @_unary
+    async def AbandonSave(self, request: pb.AbandonSaveRequest,
+                          context: grpc.aio.ServicerContext) -> pb.AbandonSaveResponse:
+        ident, _session, existing = self._check_save(request)
+        if existing is not None and existing.state != FAILED:
+            raise RpcFailure("FAILED_PRECONDITION", StagingError,
+                             f"save {existing.save_id} was handed over to this daemon and "
+                             "cannot be abandoned; it commits or fails by itself")
+        log.info("rank %d abandoned its save of step %d of job %s (attempt %s): %s",
+                 ident.rank, ident.step, ident.job, ident.attempt, request.error_message[:500])
+        # the short-retry storage: the caller waits, and the record is best effort
+        await self._blocking(mark_failed, self.storage, ident.job, ident.step, ident.attempt,
+                             ident.rank, request.error_message or "no error given")
+        return pb.AbandonSaveResponse()
 
     @_unary
     async def GetSaveStatus(self, request: pb.GetSaveStatusRequest,

@@ -136,6 +136,20 @@ class SaveRequest(_message.Message):
     commit_timeout_s: float
     def __init__(self, session_id: _Optional[str] = ..., segment_id: _Optional[str] = ..., identity: _Optional[_Union[SaveIdentity, _Mapping]] = ..., plan_json: _Optional[bytes] = ..., extra_json: _Optional[bytes] = ..., param_groups_json: _Optional[bytes] = ..., commit_timeout_s: _Optional[float] = ...) -> None: ...
 
+class AbandonSaveRequest(_message.Message):
+    __slots__ = ("session_id", "identity", "error_message")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    identity: SaveIdentity
+    error_message: str
+    def __init__(self, session_id: _Optional[str] = ..., identity: _Optional[_Union[SaveIdentity, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class AbandonSaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SaveStreamRequest(_message.Message):
     __slots__ = ("header", "data")
     HEADER_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class CheckpointServiceStub:
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.SaveStreamRequest.SerializeToString,
                 response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.SaveResponse.FromString,
                 _registered_method=True)
+        self.AbandonSave = channel.unary_unary(
+                '/ckptd.v1.CheckpointService/AbandonSave',
+                request_serializer=ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveRequest.SerializeToString,
+                response_deserializer=ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveResponse.FromString,
+                _registered_method=True)
         self.GetSaveStatus = channel.unary_unary(
                 '/ckptd.v1.CheckpointService/GetSaveStatus',
                 request_serializer=ckptd_dot_v1_dot_ckptd__pb2.GetSaveStatusRequest.SerializeToString,
@@ -168,6 +173,20 @@ class CheckpointServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbandonSave(self, request, context):
+        """This rank's save failed before it was handed over (its state could not be collected,
+        planned or encoded, or the daemon refused its Save): the daemon records the failure in
+        storage (`_ranks/<rank>.failed` of the attempt, as an embedded client does), so the ranks
+        waiting for the step's commit -- through this or another daemon -- fail at once with this
+        rank's error instead of at their commit timeout.  Deadline 30 s.  Idempotent (the record
+        is rewritten; best effort if the storage fails).  Accepted while draining.
+        INVALID_ARGUMENT: identity not the session's.  NOT_FOUND: unknown session.
+        FAILED_PRECONDITION: the daemon accepted that save (it cannot be abandoned).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSaveStatus(self, request, context):
         """Current state of a save.  Deadline 10 s.  Idempotent (read-only).
         NOT_FOUND: the daemon does not know the save and its rank manifest is not in storage.
@@ -271,6 +290,11 @@ def add_CheckpointServiceServicer_to_server(servicer, server):
                     servicer.SaveStream,
                     request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.SaveStreamRequest.FromString,
                     response_serializer=ckptd_dot_v1_dot_ckptd__pb2.SaveResponse.SerializeToString,
+            ),
+            'AbandonSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonSave,
+                    request_deserializer=ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveRequest.FromString,
+                    response_serializer=ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveResponse.SerializeToString,
             ),
             'GetSaveStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSaveStatus,
@@ -443,6 +467,33 @@ class CheckpointService:
             '/ckptd.v1.CheckpointService/SaveStream',
             ckptd_dot_v1_dot_ckptd__pb2.SaveStreamRequest.SerializeToString,
             ckptd_dot_v1_dot_ckptd__pb2.SaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbandonSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ckptd.v1.CheckpointService/AbandonSave',
+            ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveRequest.SerializeToString,
+            ckptd_dot_v1_dot_ckptd__pb2.AbandonSaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,3 +45,36 @@ def test_a_rank_failing_on_another_daemon_fails_this_daemons_rank_at_once(tmp_pa
     steps = list_steps(open_storage(store), "rankfail")
     assert [(s.step, s.committed) for s in steps] == [(1, False)]
     assert node0.alive() and node1.alive()
+
+
+def one_rank_fails_before_handover(rank: int, world: int, address: str) -> None:
+    from ckptd_client import CheckpointClient
+
+    from ckptd.errors import ConfigError
+
+    model, _ = fsdp.build("fsdp2", world, seed=1)
+    client = CheckpointClient("abandon", daemon=address)
+    if rank == 1:  # only this rank's extra state cannot be stored: refused before handover
+        with pytest.raises(ConfigError, match="extra.bad is a object"):
+            client.save_async(model, step=1, extra={"bad": object()})
+    else:
+        handle = client.save_async(model, step=1)  # commit timeout: the default 1800 s
+        with pytest.raises(CkptdError) as err:
+            handle.result(120)  # TimeoutError if it waited for its commit timeout
+        assert "step 1 of job 'abandon' will not commit: rank 1's save failed" in str(err.value)
+        assert "extra.bad is a object" in str(err.value)  # rank 1's own error
+    # the ranks' next save commits (their attempt names stayed in step)
+    assert client.save(model, step=2).step == 2
+    client.close()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_save_fails_before_handover_fails_the_others_at_once(tmp_path, daemons):
+    """The daemon records the failure a rank reports with AbandonSave, as an embedded
+    client records its own, so the ranks waiting for the commit stop waiting."""
+    store = str(tmp_path / "abandon-store")
+    node = daemons.start(storage=f"file://{store}")
+    run_world(one_rank_fails_before_handover, 2, node.address)
+    steps = list_steps(open_storage(store), "abandon")
+    assert [(s.step, s.committed) for s in steps] == [(1, False), (2, True)]
+    assert node.alive()

@@ -600,6 +600,7 @@ class DaemonTransport(Transport):
         except (TypeError, ValueError) as exc:
             lease.release()
             out.set_exception(ConfigError(f"save state is not JSON-serializable: {exc}"))
+            self.abandon(ident, f"ConfigError: {out.exception()}")
             return out
         documents = len(plan_json) + len(extra_json) + len(groups_json)
         if documents > MAX_MESSAGE - (1 << 20):   # one Save message carries all three
@@ -610,6 +611,7 @@ class DaemonTransport(Transport):
                 f"than the {(MAX_MESSAGE >> 20) - 1} MiB one message to the daemon may carry. "
                 "Keep large data in extra as tensors or numpy arrays (staged like the model's "
                 "tensors), not as strings or lists."))
+            self.abandon(ident, f"ConfigError: {out.exception()}")
             return out
         timeout_s = float(self.commit_timeout or 0.0)
         if isinstance(lease, _SegmentLease):
@@ -673,7 +675,28 @@ class DaemonTransport(Transport):
         if isinstance(exc, DaemonUnavailableError):
             return DaemonUnavailableError(
                 f"step {ident.step} (rank {ident.rank}) was not handed over: {exc}")
+        self.abandon(ident, f"{type(exc).__name__}: {exc}")
         return exc
+
+    def abandon(self, ident: SaveIdentity, error: str) -> None:
+        """Ask the daemon to record that this rank's save ``ident`` failed before it was
+        handed over, so the other ranks stop waiting for its commit (best effort: a daemon
+        that is gone or refuses leaves them to their commit timeout)."""
+        if ident.world_size <= 1:
+            return
+        identity = pb.SaveIdentity(job=ident.job, step=ident.step, attempt=ident.attempt,
+                                   rank=ident.rank, world_size=ident.world_size,
+                                   framework=ident.framework)
+        try:
+            with self._lock:
+                session_id = self._ensure_session().id
+            self._call("AbandonSave", pb.AbandonSaveRequest(
+                session_id=session_id, identity=identity, error_message=error[:4000]),
+                timeout=30.0)
+        except Exception as exc:  # noqa: BLE001 - best effort, see above
+            log.warning("ckptd: could not tell the daemon that rank %d's save of step %d "
+                        "failed (the other ranks wait for their commit timeout): %s",
+                        ident.rank, ident.step, exc)
 
     def _save_stream(self, req: pb.SaveRequest, buffer: torch.Tensor, nbytes: int) -> Any:
         mv = buffer.numpy().data.cast("B")[:nbytes]
