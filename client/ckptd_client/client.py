@@ -119,14 +119,18 @@ def _broadcast_str(value: str, group: Any = None) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
 
 
-def _all_ranks(flag: bool, group: Any = None) -> bool:
-    """True iff ``flag`` is true on every rank of ``group`` (a one-integer all-reduce)."""
+#: what a rank contributes to the ranks' agreement on a save (skip/error backpressure)
+_FAILED, _NO_ROOM, _READY = 0, 1, 2
+
+
+def _min_over_ranks(value: int, group: Any = None) -> int:
+    """The smallest ``value`` of all ranks of ``group`` (a one-integer all-reduce)."""
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    buf = torch.tensor([value], dtype=torch.int32, device=device)
     dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
-    return bool(buf.item())
+    return int(buf.item())
 
 
 @dataclass
@@ -211,6 +215,7 @@ class CheckpointClient:
         # that thread runs -- milliseconds on busy cores -- and the copy then competes with
         # the caller for the GIL before save_async has returned)
         self._stager: ThreadPoolExecutor | None = None
+        self._skip_reason = ""  # why the last save_async skipped its step (logged)
         #: seconds spent in each phase of the last ``save_async`` call (copy mode: collect,
         #: plan, acquire, stage, submit; the transport may add its own sub-phases)
         self.last_phases: dict[str, float] = {}
@@ -313,10 +318,8 @@ class CheckpointClient:
         phases["acquire"] = time.perf_counter() - t2
         if lease is None:
             self._counters.skipped += 1
-            log.warning("ckptd: skipped save of step %d: the previous save of this rank or "
-                        "another is still being written (backpressure=skip; %d skipped so "
-                        "far)", step,
-                        self._counters.skipped)
+            log.warning("ckptd: skipped save of step %d: %s; %d skipped so far", step,
+                        self._skip_reason, self._counters.skipped)
             info = CheckpointInfo(self.job, step, ident.attempt, self.world_size, framework,
                                   self._transport.url, skipped=True)
             return SaveHandle(step, _done_future(), _done_future(info))
@@ -379,7 +382,7 @@ class CheckpointClient:
         if self.world_size <= 1:
             return
         if self.backpressure != "block":
-            _all_ranks(False, self.group)  # the others are in _acquire's all-reduce
+            _min_over_ranks(_FAILED, self.group)  # the others are in _acquire's
         self._transport.abandon(
             SaveIdentity(self.job, step, attempt, self.rank, self.world_size, "unknown"),
             f"{type(exc).__name__}: {exc}")
@@ -402,18 +405,24 @@ class CheckpointClient:
             lease = self._transport.acquire(nbytes, block=False)
         except BaseException:
             if together:
-                _all_ranks(False, self.group)  # the other ranks skip this step, not hang
+                _min_over_ranks(_FAILED, self.group)  # the other ranks skip, not hang
             raise
         if together:
             # the ranks skip (or raise) together: a step that one rank skipped can never
             # commit, and the ranks that did hand it over would wait commit_timeout for it
-            if not _all_ranks(lease is not None, self.group):
-                if lease is not None:
-                    lease.release()
+            agreed = _min_over_ranks(_NO_ROOM if lease is None else _READY, self.group)
+            if agreed != _READY and lease is not None:
+                lease.release()
                 lease = None
+            if agreed == _FAILED:  # that rank raised its own error; this step is lost
+                self._skip_reason = ("another rank's save of this step failed before it was "
+                                     "staged (that rank raised the error)")
+                return None
         if lease is not None:
             return lease
         if self.backpressure == "skip":
+            self._skip_reason = ("the previous save of this rank or another is still being "
+                                 "written (backpressure=skip)")
             return None
         if self.backpressure == "error":
             raise BackpressureError(

@@ -65,6 +65,15 @@ def one_rank_fails_before_handover(rank: int, world: int, address: str) -> None:
         assert "extra.bad is a object" in str(err.value)  # rank 1's own error
     # the ranks' next save commits (their attempt names stayed in step)
     assert client.save(model, step=2).step == 2
+    # with backpressure 'error' the ranks agree before staging: the others skip the step
+    # (a BackpressureError would blame a save still being written)
+    client.backpressure = "error"
+    if rank == 1:
+        with pytest.raises(ConfigError, match="extra.bad is a object"):
+            client.save_async(model, step=3, extra={"bad": object()})
+    else:
+        assert client.save_async(model, step=3).result(60).skipped
+    assert client.save(model, step=4).step == 4
     client.close()
 
 
@@ -76,5 +85,6 @@ def test_a_rank_whose_save_fails_before_handover_fails_the_others_at_once(tmp_pa
     node = daemons.start(storage=f"file://{store}")
     run_world(one_rank_fails_before_handover, 2, node.address)
     steps = list_steps(open_storage(store), "abandon")
-    assert [(s.step, s.committed) for s in steps] == [(1, False), (2, True)]
+    assert [(s.step, s.committed) for s in steps] == [(1, False), (2, True), (3, False),
+                                                      (4, True)]
     assert node.alive()
