@@ -26,7 +26,8 @@ def test_world_size_not_set_by_torchrun_runs_one_worker(tmp_path):
     # the timeout only bounds a failure: a worker waiting for its group never returns
     proc = subprocess.run(
         [sys.executable, "-m", "ckptd.cli", "reshard", f"{tmp_path}/job", "--to-world-size", "3",
-         "--out", f"{tmp_path}/out"], env=env, capture_output=True, text=True, timeout=120)
+         "--out", f"{tmp_path}/out"], env=env, capture_output=True, text=True, timeout=120,
+        check=False)
     assert proc.returncode == 0, proc.stderr
     assert "not by torchrun: running as a single reshard worker" in proc.stderr
     rec = read_commit(storage, "out", 5)
