@@ -208,6 +208,29 @@ def _grpc_options(cfg: DaemonConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def _check_local_storage(storage: Any) -> None:
+    """A local storage root must be a directory this daemon can write (created if missing):
+    found at start-up instead of by the first save.  (S3 is not probed: an outage at
+    start-up is ridden out by the write retries, see --storage-retry-s.)"""
+    from ckptd.storage.fsspec_backend import LocalBackend
+
+    if not isinstance(storage, LocalBackend):
+        return
+    root = storage.root
+    probe = os.path.join(root, f".ckptd-serve-probe-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"--storage {storage.url}: the daemon cannot write there ({exc.strerror or exc}); "
+            "expected a directory (or a creatable path) writable by the daemon's user. Fix its "
+            "permissions or mount, or choose another --storage."
+        ) from None
+
+
 def _tls_material(cfg: DaemonConfig) -> tuple[bytes, bytes, str]:
     assert cfg.tls_cert and cfg.tls_key and cfg.token_file
     files = {}
@@ -247,6 +270,7 @@ async def run(cfg: DaemonConfig) -> int:
     check_staging_fits(cfg.staging_bytes)
     tls = _tls_material(cfg) if cfg.listen else None
     storage = open_storage(cfg.storage)
+    _check_local_storage(storage)
     # the write pipeline and retention ride out a storage outage for --storage-retry-s
     # while the daemon holds the bytes; reads keep the short policy, so a waiting load or
     # listing fails within its RPC deadline with the storage's error

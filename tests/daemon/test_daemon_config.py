@@ -126,3 +126,25 @@ def test_staging_budget_beyond_memory_is_refused_at_startup(tmp_path):
         timeout=60, check=False)
     assert out.returncode == 2 and "more than the memory" in out.stderr, out.stderr
     assert not os.path.exists(f"{tmp_path}/run/x.sock")
+
+
+def test_local_storage_the_daemon_cannot_write_is_refused_at_startup(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "afile").write_text("not a directory")
+    for storage, why in ((f"file://{tmp_path}/afile/ckpt", "Not a directory"),
+                         ("file:///proc/ckptd-storage", "No such file or directory")):
+        out = subprocess.run(
+            [sys.executable, "-m", "ckptd.cli", "serve", "--storage", storage,
+             "--socket", f"{tmp_path}/run/x.sock", "--metrics-port", "0"],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 2, out.stderr
+        assert f"--storage {storage}: the daemon cannot write there ({why})" in out.stderr
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / "run" / "x.sock").exists()
+    # a missing directory is created, and nothing of the probe is left in it
+    from ckptd.daemon.testing import start_daemon
+
+    with start_daemon(f"file://{tmp_path}/new/ckpt", str(tmp_path / "run2" / "d.sock")):
+        assert os.listdir(tmp_path / "new" / "ckpt") == []
