@@ -41,6 +41,7 @@ from ckptd.format.reader import CheckpointReader
 from ckptd.format.writer import SaveIdentity
 from ckptd_client import extra as extra_state
 from ckptd_client.adapters import TensorMeta, adapter_for
+from ckptd_client.collectives import broadcast_str, min_over_ranks
 from ckptd_client.staging import ready_event, stage
 from ckptd_client.transport.base import Lease, Transport
 
@@ -102,35 +103,8 @@ def _done_future(value: Any = None) -> Future:
     return f
 
 
-def _broadcast_str(value: str, group: Any = None) -> str:
-    """Broadcast a short ASCII string from rank 0 as a tensor (no pickle)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    n = 64
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.zeros(n, dtype=torch.uint8, device=device)
-    if dist.get_rank(group) == 0:
-        raw = value.encode()[:n]
-        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    dist.broadcast(buf, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                   group=group)
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
-
-
 #: what a rank contributes to the ranks' agreement on a save (skip/error backpressure)
 _FAILED, _NO_ROOM, _READY = 0, 1, 2
-
-
-def _min_over_ranks(value: int, group: Any = None) -> int:
-    """The smallest ``value`` of all ranks of ``group`` (a one-integer all-reduce)."""
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    buf = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MIN, group=group)
-    return int(buf.item())
 
 
 @dataclass
@@ -192,7 +166,7 @@ class CheckpointClient:
         self.backpressure = backpressure
         self._counters = _Counters()
         launch = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
-        self.launch_id = _broadcast_str(launch, process_group)
+        self.launch_id = broadcast_str(launch, process_group)
         self._transport: Transport
         if storage is not None:
             from ckptd_client.transport.embedded import EmbeddedTransport
@@ -382,7 +356,7 @@ class CheckpointClient:
         if self.world_size <= 1:
             return
         if self.backpressure != "block":
-            _min_over_ranks(_FAILED, self.group)  # the others are in _acquire's
+            min_over_ranks(_FAILED, self.group)  # the others are in _acquire's
         self._transport.abandon(
             SaveIdentity(self.job, step, attempt, self.rank, self.world_size, "unknown"),
             f"{type(exc).__name__}: {exc}")
@@ -405,12 +379,12 @@ class CheckpointClient:
             lease = self._transport.acquire(nbytes, block=False)
         except BaseException:
             if together:
-                _min_over_ranks(_FAILED, self.group)  # the other ranks skip, not hang
+                min_over_ranks(_FAILED, self.group)  # the other ranks skip, not hang
             raise
         if together:
             # the ranks skip (or raise) together: a step that one rank skipped can never
             # commit, and the ranks that did hand it over would wait commit_timeout for it
-            agreed = _min_over_ranks(_NO_ROOM if lease is None else _READY, self.group)
+            agreed = min_over_ranks(_NO_ROOM if lease is None else _READY, self.group)
             if agreed != _READY and lease is not None:
                 lease.release()
                 lease = None

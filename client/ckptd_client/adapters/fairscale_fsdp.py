@@ -44,6 +44,7 @@ from ckptd.format.items import FlatView, LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_len, dim0_shard
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
 from ckptd_client.adapters.torch_state import apply_hyperparameters, json_param_groups
+from ckptd_client.collectives import all_gather_ints
 
 _FSDP_MODULE = "fairscale.nn.data_parallel.fully_sharded_data_parallel"
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_fpw_module"})
@@ -338,14 +339,12 @@ def _assign_writers(layout: _Layout, job_world: int) -> None:
     partial = [m for m in layout.instances if 1 < int(m.world_size) < job_world]
     if not partial:
         return
-    mine = [tuple(dist.get_process_group_ranks(m.process_group)) for m in partial]
-    gathered: list[Any] = [None] * job_world
-    dist.all_gather_object(gathered, mine)
+    # the subgroups of one instance are disjoint: the leader holds the lowest global rank
+    lowest = [min(dist.get_process_group_ranks(m.process_group)) for m in partial]
+    gathered = all_gather_ints(lowest)
     writers: dict[int, bool] = {}
     for j, m in enumerate(partial):
-        groups = {tuple(g[j]) for g in gathered}
-        leader = min(groups, key=min)
-        writers[id(m)] = mine[j] == leader
+        writers[id(m)] = lowest[j] == min(g[j] for g in gathered)
     for s in layout.storages:
         if id(s.instance) in writers:
             s.writer = writers[id(s.instance)]
@@ -366,8 +365,7 @@ def _check_replicas(layout: _Layout, job_world: int) -> None:
     for s in reps:
         t = s.valid(s.saved if s.saved is not None else s.param.detach())
         mine.append(crc32c(t.detach().cpu().contiguous().view(torch.uint8).numpy()))
-    gathered: list[Any] = [None] * job_world
-    dist.all_gather_object(gathered, mine)
+    gathered = all_gather_ints(mine)
     for j, s in enumerate(reps):
         differ = [r for r, g in enumerate(gathered) if g[j] != gathered[0][j]]
         if differ:
