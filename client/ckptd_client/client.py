@@ -189,7 +189,6 @@ class CheckpointClient:
         # that thread runs -- milliseconds on busy cores -- and the copy then competes with
         # the caller for the GIL before save_async has returned)
         self._stager: ThreadPoolExecutor | None = None
-        self._skip_reason = ""  # why the last save_async skipped its step (logged)
         #: seconds spent in each phase of the last ``save_async`` call (copy mode: collect,
         #: plan, acquire, stage, submit; the transport may add its own sub-phases)
         self.last_phases: dict[str, float] = {}
@@ -290,10 +289,10 @@ class CheckpointClient:
         ident = SaveIdentity(self.job, step, attempt, self.rank, self.world_size, framework)
         lease = self._acquire(plan.nbytes)
         phases["acquire"] = time.perf_counter() - t2
-        if lease is None:
+        if isinstance(lease, str):  # skipped, and why
             self._counters.skipped += 1
-            log.warning("ckptd: skipped save of step %d: %s; %d skipped so far", step,
-                        self._skip_reason, self._counters.skipped)
+            log.warning("ckptd: skipped save of step %d: %s; %d skipped so far", step, lease,
+                        self._counters.skipped)
             info = CheckpointInfo(self.job, step, ident.attempt, self.world_size, framework,
                                   self._transport.url, skipped=True)
             return SaveHandle(step, _done_future(), _done_future(info))
@@ -373,7 +372,8 @@ class CheckpointClient:
             self._counters.failed += 1
             self._counters.last_error = exc
 
-    def _acquire(self, nbytes: int) -> Lease | None:
+    def _acquire(self, nbytes: int) -> Lease | str:
+        """A lease for ``nbytes``, or why this step is skipped."""
         together = self.backpressure != "block" and self.world_size > 1
         try:
             lease = self._transport.acquire(nbytes, block=False)
@@ -389,15 +389,13 @@ class CheckpointClient:
                 lease.release()
                 lease = None
             if agreed == _FAILED:  # that rank raised its own error; this step is lost
-                self._skip_reason = ("another rank's save of this step failed before it was "
-                                     "staged (that rank raised the error)")
-                return None
+                return ("another rank's save of this step failed before it was staged (that "
+                        "rank raised the error)")
         if lease is not None:
             return lease
         if self.backpressure == "skip":
-            self._skip_reason = ("the previous save of this rank or another is still being "
-                                 "written (backpressure=skip)")
-            return None
+            return ("the previous save of this rank or another is still being written "
+                    "(backpressure=skip)")
         if self.backpressure == "error":
             raise BackpressureError(
                 f"cannot stage {nbytes} bytes: the previous save of this rank (or of another "
@@ -609,10 +607,7 @@ class CheckpointClient:
                  "commits)", self.job)
         if self._stager is not None:
             self._stager.shutdown(wait=True)
-        from ckptd_client.transport.embedded import EmbeddedTransport
-
-        if isinstance(self._transport, EmbeddedTransport):  # the daemon has what was handed over
-            self._transport.close()
+        self._transport.finish_at_exit()
 
     def __enter__(self) -> CheckpointClient:
         return self

@@ -55,5 +55,10 @@ class Transport(abc.ABC):
         its commit, where this transport can (best effort).  Default: nothing (they wait for
         their commit timeout)."""
 
+    def finish_at_exit(self) -> None:
+        """The interpreter is exiting with saves of this transport in flight: do what this
+        rank's part of them still needs from this process (not the commits of other ranks).
+        Default: nothing (the daemon owns what was handed over)."""
+
     def close(self) -> None:
         """Release resources.  Idempotent."""

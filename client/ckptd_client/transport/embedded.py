@@ -116,6 +116,9 @@ class EmbeddedTransport(Transport):
     def abandon(self, ident: SaveIdentity, error: str) -> None:
         mark_failed(self._storage, ident.job, ident.step, ident.attempt, ident.rank, error)
 
+    def finish_at_exit(self) -> None:
+        self.close()  # writes this rank's part and tries the commit; stops commit waits
+
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self._cancel.set()
