@@ -14,6 +14,7 @@ __all__ = [
     "FsspecBackend",
     "LocalBackend",
     "StorageBackend",
+    "bare_scheme",
     "check_key",
     "open_storage",
     "open_write_storage",
@@ -55,14 +56,21 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
         )
     if uri.startswith("file:/"):  # RFC 8089's short form of an absolute file URI
         return LocalBackend(uri[len("file:"):])
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", uri)
+    scheme = bare_scheme(uri)
     if scheme:  # e.g. 's3:/bucket': a mistyped URI must not become a local directory
         raise ConfigError(
-            f"storage {uri!r} looks like a URI with scheme {scheme.group(1)!r} but lacks '//'; "
+            f"storage {uri!r} looks like a URI with scheme {scheme!r} but lacks '//'; "
             "expected 'file:///absolute/path' or 's3://bucket/prefix'. For a local directory "
             "whose name contains ':', write it as './name' or as an absolute path."
         )
     return LocalBackend(os.path.expanduser(uri))
+
+
+def bare_scheme(uri: str) -> str | None:
+    """The scheme of ``uri`` if it starts like a URI (``s3:/b``, ``file:x``) without the
+    ``//`` after it, else None (a plain path: no scheme, or a one-letter one such as ``C:``)."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", uri)
+    return m.group(1) if m else None
 
 
 def open_write_storage(uri: str, reads: StorageBackend, *,

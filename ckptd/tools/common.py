@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptd.errors import ConfigError
 from ckptd.format import paths
-from ckptd.storage import open_storage
+from ckptd.storage import bare_scheme, open_storage
 from ckptd.storage.base import StorageBackend
 
 # --------------------------------------------------------------------------- URIs
@@ -70,10 +70,10 @@ def split_job_uri(uri: str) -> tuple[str, str]:
             "file:// or s3://"
         )
     else:
-        scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):", u)
+        scheme = bare_scheme(u)
         if scheme:  # e.g. 's3:/bucket/job': a mistyped URI must not become a local directory
             raise ConfigError(
-                f"{uri!r} looks like a URI with scheme {scheme.group(1)!r} but lacks '//': "
+                f"{uri!r} looks like a URI with scheme {scheme!r} but lacks '//': "
                 "expected file:///absolute/path/JOB or s3://bucket[/prefix]/JOB. For a local "
                 "directory whose name contains ':', write it as './name/JOB'"
             )
