@@ -41,8 +41,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from ckptd.errors import CkptdError, ConfigError, CorruptCheckpointError, StorageError
 from ckptd.format import paths
 from ckptd.format.checksum import crc32c, crc32c_zeros, zeros
@@ -148,13 +146,13 @@ def expected_segments(plan: ReshardPlan) -> dict[int, int]:
 
 
 class _Buffers(threading.local):
-    buf: np.ndarray | None = None
+    buf: bytearray | None = None
 
     def get(self, n: int) -> memoryview:
-        if self.buf is None or self.buf.size < n:
+        if self.buf is None or len(self.buf) < n:
             self.buf = None
-            self.buf = np.zeros(max(n, 1), dtype=np.uint8)  # touched once, then reused
-        return self.buf.data[:n]
+            self.buf = bytearray(max(n, 1))  # touched once, then reused
+        return memoryview(self.buf)[:n]
 
 
 def _place(p: Place, data: memoryview, out: memoryview) -> None:
@@ -162,6 +160,8 @@ def _place(p: Place, data: memoryview, out: memoryview) -> None:
         d0, d1 = p.dst_byte_range()
         out[d0:d1] = data[p.src_offset:p.src_offset + (d1 - d0)]
         return
+    import numpy as np  # only for boxes that are not one byte range (~60 ms of start-up)
+
     isz = p.itemsize
     n_src = int(np.prod(p.src_shape, dtype=np.int64)) * isz
     src = np.frombuffer(data, dtype=np.uint8, count=n_src, offset=p.src_offset).reshape(

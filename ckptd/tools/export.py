@@ -37,8 +37,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
-import numpy as np
-
 from ckptd.errors import CkptdError, ConfigError, StorageError
 from ckptd.format import paths
 from ckptd.format.commit import read_index, resolve_step
@@ -365,7 +363,7 @@ def _stream(ex: Executor, blocks: list[_Block], write: Any, depth: int, on_bytes
     """Fill ``blocks`` (``depth`` at a time, each in its own reused buffer) and write them
     in order."""
     depth = max(1, min(depth, 4))
-    bufs = [np.empty(0, dtype=np.uint8) for _ in range(depth)]
+    bufs = [bytearray() for _ in range(depth)]
     free = deque(range(depth))
     pending: deque[tuple[int, Future, int]] = deque()
     read = 0
@@ -379,15 +377,15 @@ def _stream(ex: Executor, blocks: list[_Block], write: Any, depth: int, on_bytes
                     done = True
                     break
                 slot = free.popleft()
-                if bufs[slot].size < b.nbytes:
-                    bufs[slot] = np.zeros(b.nbytes, dtype=np.uint8)
-                view = bufs[slot].data[:b.nbytes]
+                if len(bufs[slot]) < b.nbytes:
+                    bufs[slot] = bytearray(b.nbytes)
+                view = memoryview(bufs[slot])[:b.nbytes]
                 pending.append((slot, pool.submit(ex.fill, b.fetches, b.places, view), b.nbytes))
             if not pending:
                 break
             slot, fut, n = pending.popleft()
             read += fut.result()
-            write(bufs[slot].data[:n])
+            write(memoryview(bufs[slot])[:n])
             if on_bytes is not None:
                 on_bytes(n)
             free.append(slot)

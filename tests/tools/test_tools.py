@@ -255,6 +255,24 @@ def test_tools_and_reshard_run_without_torch(work_root, tmp_path):
     assert not os.path.exists(tmp_path / "w.pt")
 
 
+_IMPORTS_AFTER = ("import sys; from ckptd.cli import main; rc = main(sys.argv[1:]); "
+                  "print(sorted(m for m in ('numpy', 'fsspec', 'torch', 'grpc') "
+                  "if m in sys.modules), file=sys.stderr); sys.exit(rc)")
+
+
+def test_local_tools_start_without_heavy_imports(work_root, tmp_path):
+    """A local ``ckptd reshard`` of row-sharded arrays (and ``ls``) imports neither numpy nor
+    fsspec, torch or grpc: together ~0.2 s of start-up, a large part of a small reshard."""
+    for argv in (("ls", f"file://{work_root}", "--json"),
+                 ("reshard", f"{work_root}/fsdp2-w4", "--to-world-size", "2", "--out",
+                  f"file://{tmp_path}/w2", "--json")):
+        r = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *argv], capture_output=True,
+                           text=True, timeout=300, check=False)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.strip().splitlines()[-1] == "[]", (argv[0], r.stderr)
+    assert json.loads(r.stdout)["world_size"] == 2
+
+
 # --------------------------------------------------------------------------- gc
 
 
