@@ -426,3 +426,39 @@ def test_matches_plain_module_is_false() -> None:
     import fairscale.nn.data_parallel  # noqa: F401  (fairscale present, model is not FSDP)
 
     assert not FairscaleAdapter.matches(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+
+
+def _buffer_dtype_worker(rank: int, store: str, root: str) -> None:
+    """fairscale casts floating buffers to float32 (its buffer_dtype) at its lazy init, which
+    save runs; a freshly built model (not yet initialized) must still load that checkpoint."""
+    from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    from ckptd_client import CheckpointClient
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
+    try:
+        def build(seed: int) -> nn.Module:
+            torch.manual_seed(seed)
+            m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+            m[0].register_buffer("stat", torch.randn(5).bfloat16())
+            m[1].register_buffer("dbl", torch.randn(3, dtype=torch.float64))
+            m[1] = FSDP(m[1], compute_device=CPU)
+            return FSDP(m, compute_device=CPU)
+
+        saved = build(0)
+        with CheckpointClient("j", storage=f"file://{root}") as c:
+            c.save(saved, step=1)
+        fresh = build(1)
+        with CheckpointClient("j", storage=f"file://{root}") as c:
+            c.load(fresh)  # strict: was a dtype mismatch (float32 saved, bf16/float64 live)
+        got, want = _buffers(fresh), _buffers(saved)
+        assert [n for n, _ in got] == [n for n, _ in want] == ["0.stat", "1.dbl"]
+        for (n, g), (_, w) in zip(got, want):
+            assert g.dtype == w.dtype == torch.float32 and torch.equal(g, w), n
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fresh_model_loads_buffers_fairscale_casts_at_init(tmp_path: Any) -> None:
+    mp.spawn(_buffer_dtype_worker, args=(str(tmp_path / "store"), str(tmp_path / "ckpt")),
+             nprocs=1, join=True)

@@ -214,6 +214,12 @@ def _collect_fsdp(
 ) -> None:
     """Add the storages and buffers of the FSDP tree rooted at ``top``."""
     prefix = _clean(prefix)
+    if not with_tensors:
+        # local_state_dict (save) and the first forward run fairscale's lazy init, which
+        # casts floating buffers to each instance's buffer_dtype; a fresh model loading a
+        # checkpoint must present the same dtypes (a float64 or bf16 buffer was saved as
+        # float32), so run it here too.
+        top._lazy_init()
     meta = top.local_metadata_dict()
     sd = top.local_state_dict() if with_tensors else {}
     instances = [m for _, m in top.named_modules() if isinstance(m, fsdp_cls)]
