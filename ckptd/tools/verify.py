@@ -4,7 +4,9 @@ For each committed step checked:
 
 1. every rank manifest ``_ranks/0..W-1`` is present and parses, and ``index.json`` is what
    they consolidate to;
-2. every array's ``zarr.json`` matches the index (shape, chunk grid, data type);
+2. every array's ``zarr.json`` matches the index (shape, chunk grid, data type) and is the
+   document ckptd writes for it (codec, chunk keys, fill value, torch dtype attribute); the
+   attempt's group ``zarr.json`` names the commit and every intermediate group has one;
 3. every element of every logical tensor is covered by exactly one stored piece, and every
    piece points at something that exists (a recorded chunk, a pack byte range, a flat
    array range);
@@ -26,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ckptd import FORMAT_VERSION
 from ckptd.errors import CheckpointNotFoundError, CkptdError, CorruptCheckpointError
 from ckptd.format import paths
 from ckptd.format.checksum import crc32c
@@ -34,6 +37,7 @@ from ckptd.format.dtypes import itemsize, zarr_data_type
 from ckptd.format.layout import Region, chunks_overlapping, intersect, is_row_range
 from ckptd.format.manifest import Index, Piece, RankManifest, loads
 from ckptd.format.plan import chunk_id, chunk_key
+from ckptd.format.zarr_meta import array_doc, parent_groups
 from ckptd.storage.base import StorageBackend
 from ckptd.tools.common import (
     human_bytes,
@@ -239,7 +243,65 @@ def _check_meta(storage: StorageBackend, step: int, prefix: str, name: str,
         return [Problem(step, "metadata", f"array {name!r}",
                         expected=f"shape {want[0]} chunks {want[1]} {want[2]}",
                         found=f"shape {shape} chunks {chunks} {dt}", key=key)]
+    # The rest of the document decides how other zarr readers decode the chunks (byte
+    # order, chunk keys, the torch dtype behind uint16/uint8 words): it must be what ckptd
+    # writes for this array.
+    ref = array_doc(rec.shape, rec.dtype, rec.chunk_shape)
+    attrs = doc.get("attributes")
+    ours = attrs.get("ckptd") if isinstance(attrs, dict) else None
+    got = {k: doc.get(k) for k in ref if k != "attributes"}
+    got["attributes.ckptd.torch_dtype"] = ours.get("torch_dtype") if isinstance(ours, dict) else None
+    ref = {k: v for k, v in ref.items() if k != "attributes"}
+    ref["attributes.ckptd.torch_dtype"] = rec.dtype
+    bad = [k for k in ref if got[k] != ref[k]]
+    if bad:
+        return [Problem(step, "metadata", f"array {name!r}",
+                        expected="; ".join(f"{k} {json.dumps(ref[k])}" for k in bad),
+                        found="; ".join(f"{k} {json.dumps(got[k])}" for k in bad), key=key)]
     return []
+
+
+def _check_groups(storage: StorageBackend, rec: CommitRecord, prefix: str,
+                  index: Index) -> list[Problem]:
+    """The attempt's group ``zarr.json`` (its ``ckptd`` attributes name the commit) and
+    every intermediate group's, which zarr readers need to open the arrays."""
+    out: list[Problem] = []
+    want_attrs = {"format_version": FORMAT_VERSION, "job": rec.job, "step": rec.step,
+                  "attempt": rec.attempt, "world_size": rec.world_size,
+                  "framework": index.framework, "index": "index.json"}
+    for g in [""] + parent_groups(list(index.arrays)):
+        key = f"{prefix}/{g}/zarr.json" if g else f"{prefix}/zarr.json"
+        what = f"group {g!r}" if g else "attempt group"
+        try:
+            doc = json.loads(storage.get(key))
+        except FileNotFoundError:
+            out.append(Problem(rec.step, "metadata", what, expected="zarr.json",
+                               found="missing", key=key))
+            continue
+        except ValueError as exc:
+            out.append(Problem(rec.step, "metadata", what, expected="valid JSON",
+                               found=str(exc), key=key))
+            continue
+        if not isinstance(doc, dict) or (doc.get("zarr_format"), doc.get("node_type")) != (
+                3, "group"):
+            out.append(Problem(rec.step, "metadata", what, expected="a zarr v3 group",
+                               found=f"zarr_format {doc.get('zarr_format')!r}, node_type "
+                               f"{doc.get('node_type')!r}" if isinstance(doc, dict)
+                               else type(doc).__name__, key=key))
+            continue
+        if g:
+            continue
+        attrs = doc.get("attributes")
+        ours = attrs.get("ckptd") if isinstance(attrs, dict) else None
+        ours = ours if isinstance(ours, dict) else {}
+        bad = [k for k in want_attrs if ours.get(k) != want_attrs[k]]
+        if bad:
+            out.append(Problem(rec.step, "metadata", what,
+                               expected="; ".join(f"ckptd.{k} {json.dumps(want_attrs[k])}"
+                                                  for k in bad),
+                               found="; ".join(f"ckptd.{k} {json.dumps(ours.get(k))}"
+                                               for k in bad), key=key))
+    return out
 
 
 def verify_step(storage: StorageBackend, rec: CommitRecord, *, threads: int = 8,
@@ -262,6 +324,7 @@ def verify_step(storage: StorageBackend, rec: CommitRecord, *, threads: int = 8,
     if index is None:
         report.seconds = time.monotonic() - t0
         return report
+    report.problems += _check_groups(storage, rec, prefix, index)
     for name in sorted(index.tensors):
         report.problems += _coverage(step, name, index.tensors[name], index)
 

@@ -152,6 +152,52 @@ def test_verify_catches_flipped_byte_missing_chunk_and_missing_manifest(work_roo
     assert any(p["kind"] == "checksum" and p["what"].startswith("tensor ") for p in probs)
 
 
+def test_verify_checks_the_zarr_documents_other_readers_use(tmp_path, capsys):
+    """A zarr.json whose byte order or torch dtype attribute was edited decodes wrongly in
+    zarr readers; a missing group document makes the arrays unreadable to them."""
+    storage = open_storage(str(tmp_path))
+    write_step(storage, "j", 1, "a1")
+    uri = f"file://{tmp_path}/j"
+    assert run_json(capsys, "verify", uri)[0] == 0
+    prefix = tmp_path / paths.attempt_prefix("j", 1, "a1")
+
+    def problems() -> list[tuple]:
+        rc, doc = run_json(capsys, "verify", uri)
+        assert rc == 1 and not doc["ok"]
+        return [(p["kind"], p["what"], p["expected"], p["found"])
+                for p in doc["steps"][0]["problems"]]
+
+    meta = prefix / "model" / "w" / "zarr.json"
+    good = meta.read_bytes()
+    for field, value, want, found in (
+            ("codecs", [{"name": "bytes", "configuration": {"endian": "big"}}],
+             '"endian": "little"', '"endian": "big"'),
+            ("attributes", {"ckptd": {"torch_dtype": "int32"}},
+             'attributes.ckptd.torch_dtype "float32"', 'attributes.ckptd.torch_dtype "int32"')):
+        doc = json.loads(good)
+        doc[field] = value
+        meta.write_text(json.dumps(doc))
+        ((kind, what, exp, got),) = problems()
+        assert (kind, what) == ("metadata", "array 'model/w'") and want in exp and found in got
+    meta.write_bytes(good)
+
+    for doc_path, what in ((prefix / "zarr.json", "attempt group"),
+                           (prefix / "optim" / "w" / "zarr.json", "group 'optim/w'")):
+        good = doc_path.read_bytes()
+        doc_path.unlink()
+        assert problems() == [("metadata", what, "zarr.json", "missing")]
+        doc_path.write_bytes(good)
+    group = prefix / "zarr.json"
+    good = group.read_bytes()
+    doc = json.loads(good)
+    doc["attributes"]["ckptd"]["world_size"] = 5
+    group.write_text(json.dumps(doc))
+    assert problems() == [("metadata", "attempt group", "ckptd.world_size 2",
+                           "ckptd.world_size 5")]
+    group.write_bytes(good)
+    assert run_json(capsys, "verify", uri)[0] == 0
+
+
 # --------------------------------------------------------------------------- export
 
 
