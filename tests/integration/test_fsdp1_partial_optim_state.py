@@ -6,6 +6,9 @@ its parameters: with ``use_orig_params=False`` loading such state failed inside 
 (after the model was loaded), with ``use_orig_params=True`` the load passed but the next
 save failed.  The parameters without saved state get what zero gradients give (zeros for
 Adam's moments) and their flat parameter's step; every saved tensor is restored bit-exactly.
+A frozen layer (``requires_grad=False``, not in the optimizer, as in LoRA-style fine-tuning)
+shares the flat parameter with trained ones under ``use_orig_params=True``: it gets no
+optimizer state (the load failed with ``KeyError`` after the model was overwritten).
 """
 
 from __future__ import annotations
@@ -25,10 +28,16 @@ class Net(torch.nn.Module):
         super().__init__()
         self.l1 = torch.nn.Linear(6, 13)
         self.unused = torch.nn.Linear(3, 3)
+        self.frozen = torch.nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
         self.l2 = torch.nn.Linear(13, 5, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(torch.relu(self.l1(x)))
+        return self.l2(self.frozen(torch.relu(self.l1(x))))
+
+
+def trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -48,7 +57,7 @@ def save_job(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     fully_shard(model.l1, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    opt = torch.optim.Adam(trained(model), lr=1e-2, foreach=False)
     train(model, opt, 2)
     want = full_state(model, opt)
     assert not any(k.startswith("optim/unused.") for k in want)
@@ -64,13 +73,17 @@ def load_job(rank: int, world: int, root: str) -> None:
     want = torch.load(os.path.join(root, "want.pt"), weights_only=True)
     for orig in (True, False):
         torch.manual_seed(2)
-        model = FSDP(Net(), device_id=torch.device("cpu"), use_orig_params=orig)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        net = Net()
+        if not orig:  # a flat parameter of frozen and trained ones needs use_orig_params
+            net.frozen = FSDP(net.frozen, device_id=torch.device("cpu"), use_orig_params=orig)
+        model = FSDP(net, device_id=torch.device("cpu"), use_orig_params=orig)
+        opt = torch.optim.Adam(trained(model), lr=1e-2, foreach=False)
         client = CheckpointClient("partial", storage=f"file://{root}")
         client.load(model, optimizer=opt)
         got = full_state(model, opt)  # torch's own FSDP1 state dict of the loaded state
         for k, w in want.items():
             assert torch.equal(got[k], w), f"{k} differs (use_orig_params={orig})"
+        assert not any(k.startswith("optim/frozen.") for k in got), sorted(got)
         step = got["optim/l1.weight/step"]
         for p in ("unused.weight", "unused.bias"):
             assert torch.equal(got[f"optim/{p}/step"], step), p

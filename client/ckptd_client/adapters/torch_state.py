@@ -645,7 +645,10 @@ class TorchAdapter(FrameworkAdapter):
                 saved = {n[len("optim/"):].rpartition("/")[0]
                          for n in available if n.startswith("optim/")}
                 if self.framework == "fsdp1":
-                    fill = _fsdp1_flat_param_mates(model, saved)
+                    # only parameters the optimizer holds: a frozen one (LoRA) shares the
+                    # flat parameter under use_orig_params=True but has no optimizer state
+                    fill = {f: m for f, m in _fsdp1_flat_param_mates(model, saved).items()
+                            if f in osd["state"]}
                 osd["state"] = {k: v for k, v in osd["state"].items()
                                 if k in saved or k in fill}
             for fqn, state in osd["state"].items():
