@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptd.errors import ConfigError, CorruptCheckpointError
+from ckptd.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
 from ckptd.format import paths
 from ckptd.format.commit import read_commit
 from ckptd.storage.base import StorageBackend
@@ -197,6 +197,14 @@ def run(args: argparse.Namespace) -> int:
     storage, job = open_job(args.uri)
     grace = parse_duration(args.grace)
     try:
+        if not any(paths.parse_step_dir(n) is not None for n in storage.list_dir(job)):
+            # a mistyped job (or a storage root given as URI/JOB) would "succeed" deleting
+            # nothing, and the operator would believe the policy applied
+            raise CheckpointNotFoundError(
+                f"no checkpoint of job {job!r} in {storage.url}: nothing under "
+                f"{storage.url}/{job} is a step directory. Check the job name and storage "
+                "URI: gc takes URI/JOB, e.g. file:///ckpt/myjob (`ckptd ls URI` lists the jobs)."
+            )
         report = apply_retention(storage, job, args.keep_last, args.keep_every, grace,
                                  args.dry_run)
     finally:

@@ -471,6 +471,9 @@ def test_bad_arguments_fail_with_a_clear_message(saved_root, tmp_path, capsys):
           str(tmp_path / "x")], "--format torch"),
         (["gc", uri, "--keep-last", "0"], "--keep-last must be an integer >= 1"),
         (["gc", uri, "--keep-last", "2", "--grace", "soon"], "duration 'soon' is invalid"),
+        # a mistyped job, or the storage root given as URI/JOB: not a silent no-op
+        (["gc", f"file://{root}/nosuch", "--keep-last", "1"], "no checkpoint of job 'nosuch'"),
+        (["gc", f"file://{root}", "--keep-last", "1"], "is a step directory"),
         (["ls", f"file://{tmp_path}/empty"], "no checkpoints under"),
     ]
     for argv, msg in cases:
