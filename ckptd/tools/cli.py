@@ -75,8 +75,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--to-world-size", type=int, required=True, metavar="N",
                    help="the world size to align with (>= 1)")
     p.add_argument("--out", default=None, metavar="URI/JOB2",
-                   help="write the result as this job (its step must not be committed); "
-                   "default: the same job, switching the step's COMMITTED atomically")
+                   help="write the result as this job (its step must not be committed; the "
+                   "source job itself means in place); default: the same job, switching the "
+                   "step's COMMITTED atomically")
     p.add_argument("--threads", type=thread_count, default=8,
                    help="objects built in parallel per worker (default 8)")
     p.add_argument("--pack-threshold", type=int, default=DEFAULT_PACK_THRESHOLD,
