@@ -425,6 +425,15 @@ class CheckpointClient:
             except Exception:  # noqa: BLE001 - errors stay on the handles
                 pass
 
+    def _wait_staged(self) -> None:
+        """Wait until every save in flight has copied its state (overlap mode copies in
+        the background); a failed copy stays on its handle."""
+        for h in list(self._inflight):
+            try:
+                h.wait_staged()
+            except Exception:  # noqa: BLE001 - errors stay on the handles
+                pass
+
     # -- loading -------------------------------------------------------------------------
     def list_steps(self) -> list[int]:
         """Committed steps of this job, oldest first."""
@@ -463,6 +472,9 @@ class CheckpointClient:
             name: TensorMeta(t.shape, dtype_from_name(t.dtype))
             for name, t in index.tensors.items() if not name.startswith(EXTRA_PREFIX)
         }
+        # an overlapped save may still be copying from the model: this load must not
+        # change its tensors under that copy (the step would be saved with values of both)
+        self._wait_staged()
         adapter = adapter_for(model)
         # load_plan may create the state of an optimizer that has none (to have tensors to
         # fill); a load that fails its checks must leave the optimizer as it was

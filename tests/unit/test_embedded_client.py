@@ -819,6 +819,57 @@ def test_overlap_saves_share_one_stager_thread_and_each_saves_its_own_step(tmp_p
     assert not stagers[0].is_alive()
 
 
+def test_a_load_waits_for_an_overlapped_save_still_copying_from_the_model(tmp_path,
+                                                                         monkeypatch):
+    """save_async(overlap=True) then load (a rollback) before the optimizer's next step: the
+    load must not overwrite the parameters under the save's background copy, which saved
+    the step with values of the loaded one.  The copy is held until the load either waits
+    for it (wait_staged) or has overwritten the model, so the order is not left to timing."""
+    import threading
+
+    from ckptd.format.reader import CheckpointReader
+    from ckptd_client import client as client_mod
+    from ckptd_client.client import SaveHandle
+
+    go = threading.Event()
+    real_stage, real_wait, real_read = (client_mod.stage, SaveHandle.wait_staged,
+                                        CheckpointReader.read_targets)
+
+    def held_stage(*args, **kwargs):
+        assert go.wait(60)
+        return real_stage(*args, **kwargs)
+
+    def wait_staged(self, timeout=None):
+        go.set()
+        return real_wait(self, timeout)
+
+    def read_targets(self, targets):
+        out = real_read(self, targets)
+        go.set()
+        return out
+
+    m = torch.nn.Linear(64, 32)
+    client = CheckpointClient("ovl-load", storage=f"file://{tmp_path}")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(1.0)
+    client.save(m, step=1)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(2.0)
+    monkeypatch.setattr(client_mod, "stage", held_stage)
+    monkeypatch.setattr(SaveHandle, "wait_staged", wait_staged)
+    monkeypatch.setattr(CheckpointReader, "read_targets", read_targets)
+    h = client.save_async(m, step=2, overlap=True)
+    client.load(m, step=1)
+    assert h.result(60).step == 2
+    assert all(torch.equal(p, torch.ones_like(p)) for p in m.parameters())
+    back = torch.nn.Linear(64, 32)
+    client.load(back, step=2)
+    assert all(torch.equal(p, torch.full_like(p, 2.0)) for p in back.parameters())
+    client.close()
+
+
 def test_a_script_that_exits_right_after_save_async_still_commits_that_save(tmp_path):
     """The last save of a training script (embedded mode, copy and overlap) is written when
     the interpreter exits without waiting for it: its writer was refused by concurrent.futures
