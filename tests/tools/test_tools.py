@@ -395,6 +395,10 @@ def test_reshard_and_export_on_s3(s3_uri, tmp_path, capsys):
     full = write_step(storage, "s3job", 5, "att", world=3)
     rc, doc = run_json(capsys, "reshard", f"{s3_uri}/s3job", "--to-world-size", "2")
     assert rc == 0 and doc["in_place"] and doc["world_size"] == 2
+    # --out naming the source job itself is the same in-place reshard, not "output exists"
+    rc, doc = run_json(capsys, "reshard", f"{s3_uri}/s3job", "--to-world-size", "3",
+                       "--out", f"{s3_uri}/s3job")
+    assert rc == 0 and doc["in_place"] and doc["world_size"] == 3
     rc, doc = run_json(capsys, "verify", f"{s3_uri}/s3job")
     assert rc == 0
     out = str(tmp_path / "s3.safetensors")
