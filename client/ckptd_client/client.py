@@ -425,15 +425,6 @@ class CheckpointClient:
             except Exception:  # noqa: BLE001 - errors stay on the handles
                 pass
 
-    def _wait_staged(self) -> None:
-        """Wait until every save in flight has copied its state (overlap mode copies in
-        the background); a failed copy stays on its handle."""
-        for h in list(self._inflight):
-            try:
-                h.wait_staged()
-            except Exception:  # noqa: BLE001 - errors stay on the handles
-                pass
-
     # -- loading -------------------------------------------------------------------------
     def list_steps(self) -> list[int]:
         """Committed steps of this job, oldest first."""
@@ -463,8 +454,14 @@ class CheckpointClient:
         optimizer that has state (load into a freshly constructed optimizer to roll it back);
         param groups that hold other parameters, or another number of groups.  strict=False
         loads the tensors and keeps the optimizer's own state or hyperparameters there, with
-        a warning.  Nothing is changed when a check fails.
+        a warning.  Nothing is changed when a check fails.  It first waits for this client's
+        saves in flight to finish (committed or failed), so every rank sees the same steps.
         """
+        # This client's saves in flight finish first: an overlapped one may still be copying
+        # from the model (the load would change its tensors under the copy), and a commit
+        # that some ranks see before they resolve the latest step and others after made the
+        # ranks load different steps.
+        self.wait()
         storage = self._transport.storage()
         rec = resolve_step(storage, self.job, step)
         index = read_index(storage, rec)
@@ -472,9 +469,6 @@ class CheckpointClient:
             name: TensorMeta(t.shape, dtype_from_name(t.dtype))
             for name, t in index.tensors.items() if not name.startswith(EXTRA_PREFIX)
         }
-        # an overlapped save may still be copying from the model: this load must not
-        # change its tensors under that copy (the step would be saved with values of both)
-        self._wait_staged()
         adapter = adapter_for(model)
         # load_plan may create the state of an optimizer that has none (to have tensors to
         # fill); a load that fails its checks must leave the optimizer as it was

@@ -5,7 +5,8 @@ forward never uses, a non-persistent buffer and a bf16 mixed-precision policy.  
 checkpoint is loaded into a fresh model and optimizer at another world size: the full state
 must equal the saved one bit-exactly, and one more step must give what a run without any
 checkpoint gets (up to the reduction order of another world size), also when the optimizer
-was saved before its first step.
+was saved before its first step.  A load right after save_async loads the same step on
+every rank.
 """
 
 from __future__ import annotations
@@ -169,3 +170,58 @@ def deferred_init_and_groups_job(rank: int, world: int, root: str) -> None:
 @pytest.mark.slow
 def test_fsdp2_deferred_init_and_param_groups_in_another_order(tmp_path):
     run_world(deferred_init_and_groups_job, 2, str(tmp_path))
+
+
+def load_during_save_job(rank: int, world: int, root: str) -> None:
+    """save_async of step 2, then load() at once on every rank: all ranks must load the same
+    step.  Rank 1's write of step 2 is held until rank 0 has either waited for its save or
+    resolved the latest step, so rank 0 cannot see step 2 committed unless load waits."""
+    import time
+
+    from ckptd_client import client as client_mod
+    from ckptd_client.client import SaveHandle
+    from ckptd_client.transport import embedded
+
+    gate = os.path.join(root, "gate")
+    if rank == 0:
+        real_resolve, real_result = client_mod.resolve_step, SaveHandle.result
+
+        def resolve(*args, **kwargs):
+            try:
+                return real_resolve(*args, **kwargs)
+            finally:
+                open(gate, "w").close()
+
+        def result(self, timeout=None):
+            open(gate, "w").close()
+            return real_result(self, timeout)
+
+        client_mod.resolve_step, SaveHandle.result = resolve, result
+    else:
+        real_write = embedded.write_rank
+
+        def held_write(*args, **kwargs):
+            deadline = time.monotonic() + 120  # released by rank 0, see above
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return real_write(*args, **kwargs)
+
+        embedded.write_rank = held_write
+    model = torch.nn.Linear(4, 3)
+    client = CheckpointClient("load-during-save", storage=f"file://{root}")
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.fill_(step)
+        client.save_async(model, step=step)
+        if step == 1:
+            client.wait()
+    fresh = torch.nn.Linear(4, 3)
+    info = client.load(fresh)
+    assert info.step == 2, f"rank {rank} loaded step {info.step} while step 2 was in flight"
+    assert torch.equal(fresh.weight, torch.full_like(fresh.weight, 2.0))
+    client.close()
+
+
+@pytest.mark.slow
+def test_a_load_right_after_save_async_loads_the_same_step_on_every_rank(tmp_path):
+    run_world(load_during_save_job, 2, str(tmp_path))

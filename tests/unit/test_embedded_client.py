@@ -824,7 +824,7 @@ def test_a_load_waits_for_an_overlapped_save_still_copying_from_the_model(tmp_pa
     """save_async(overlap=True) then load (a rollback) before the optimizer's next step: the
     load must not overwrite the parameters under the save's background copy, which saved
     the step with values of the loaded one.  The copy is held until the load either waits
-    for it (wait_staged) or has overwritten the model, so the order is not left to timing."""
+    for the save or has overwritten the model, so the order is not left to timing."""
     import threading
 
     from ckptd.format.reader import CheckpointReader
@@ -832,8 +832,8 @@ def test_a_load_waits_for_an_overlapped_save_still_copying_from_the_model(tmp_pa
     from ckptd_client.client import SaveHandle
 
     go = threading.Event()
-    real_stage, real_wait, real_read = (client_mod.stage, SaveHandle.wait_staged,
-                                        CheckpointReader.read_targets)
+    real_stage, real_wait, real_result, real_read = (
+        client_mod.stage, SaveHandle.wait_staged, SaveHandle.result, CheckpointReader.read_targets)
 
     def held_stage(*args, **kwargs):
         assert go.wait(60)
@@ -842,6 +842,10 @@ def test_a_load_waits_for_an_overlapped_save_still_copying_from_the_model(tmp_pa
     def wait_staged(self, timeout=None):
         go.set()
         return real_wait(self, timeout)
+
+    def result(self, timeout=None):
+        go.set()
+        return real_result(self, timeout)
 
     def read_targets(self, targets):
         out = real_read(self, targets)
@@ -859,6 +863,7 @@ def test_a_load_waits_for_an_overlapped_save_still_copying_from_the_model(tmp_pa
             p.fill_(2.0)
     monkeypatch.setattr(client_mod, "stage", held_stage)
     monkeypatch.setattr(SaveHandle, "wait_staged", wait_staged)
+    monkeypatch.setattr(SaveHandle, "result", result)
     monkeypatch.setattr(CheckpointReader, "read_targets", read_targets)
     h = client.save_async(m, step=2, overlap=True)
     client.load(m, step=1)
