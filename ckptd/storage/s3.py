@@ -31,6 +31,15 @@ AccessDenied/InvalidAccessKeyId/SignatureDoesNotMatch -> StoragePermissionError,
 NoSuchBucket -> StorageError, NoSuchKey -> FileNotFoundError.  Retries exhausted ->
 TransientStorageError.
 
+Stalls.  aiohttp's read timeout starts only once a request's body is sent, and botocore
+sends every PUT/POST with ``Expect: 100-continue``: an endpoint that accepts a request
+and then never answers (a hung server or gateway) held a put forever, and so does one
+that stops reading a large body.  Each attempt therefore runs under a watchdog that
+cancels it, as a transient ``TimeoutError``, when nothing moved for ``connect_timeout_s +
+read_timeout_s`` (progress: request body bytes taken for sending, response body bytes
+received); at most ``max_pool_connections`` attempts run at once, so an attempt never
+waits for a pooled connection under that clock.
+
 Threading: every public method is blocking and thread-safe; the requests run on fsspec's
 I/O event loop thread through one long-lived S3FileSystem (one aiobotocore client with a
 connection pool) per backend.  :meth:`close` releases the client.
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextvars
 import io
 import logging
 import math
@@ -70,6 +80,7 @@ T = TypeVar("T")
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PARTS = 10_000  # S3's maximum number of parts of one upload
+_READ_CHUNK = 4 * MiB  # a response body is read (and its progress seen) in pieces of this
 
 #: Error codes that mean "slow down": always worth retrying after a backoff.
 THROTTLE_CODES = frozenset(
@@ -257,6 +268,28 @@ class _DeleteBatchError(StorageError):
 
 
 # ---------------------------------------------------------------------------------------
+# progress of one attempt (for the stall watchdog)
+# ---------------------------------------------------------------------------------------
+class _Progress:
+    """When the running attempt last moved a byte (``time.monotonic()``); updated from
+    aiohttp's body-reading executor threads too (a float assignment)."""
+
+    __slots__ = ("last", "stalled")
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.stalled = False
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+
+#: The progress of the attempt running in the current task (set by ``S3Backend._attempt``).
+_PROGRESS: contextvars.ContextVar[_Progress | None] = contextvars.ContextVar(
+    "ckptd_s3_progress", default=None
+)
+
+# ---------------------------------------------------------------------------------------
 # zero-copy request body
 # ---------------------------------------------------------------------------------------
 class _ViewReader(io.RawIOBase):
@@ -264,11 +297,13 @@ class _ViewReader(io.RawIOBase):
 
     botocore accepts bytes or file objects as a request body, not memoryviews; this lets
     a part of a multipart upload (or a put of several buffers) be sent straight from the
-    caller's buffers.  One reader per attempt: aiohttp closes it after sending.
+    caller's buffers.  One reader per attempt: aiohttp closes it after sending.  Each
+    read counts as progress of the attempt that created the reader.
     """
 
     def __init__(self, views: Sequence[memoryview]) -> None:
         super().__init__()
+        self._progress = _PROGRESS.get()
         self._views = [v for v in views if v.nbytes]
         self._starts: list[int] = []
         total = 0
@@ -305,6 +340,8 @@ class _ViewReader(io.RawIOBase):
         return self._size
 
     def readinto(self, buf: Any) -> int:
+        if self._progress is not None:
+            self._progress.touch()
         out = memoryview(buf).cast("B")
         n = 0
         while n < out.nbytes and self._pos < self._size:
@@ -344,12 +381,9 @@ def _slice_views(views: Sequence[memoryview], lo: int, hi: int) -> list[memoryvi
 
 
 def _body(views: Sequence[memoryview]) -> Any:
-    """The request body for ``views``: the bytes object itself when there is exactly one."""
-    if not views:
-        return b""
-    if len(views) == 1 and isinstance(views[0].obj, bytes) and views[0].nbytes == len(views[0].obj):
-        return views[0].obj
-    return _ViewReader(views)
+    """The request body for ``views``: a reader, also for one bytes object, so that the
+    stall watchdog sees the body being sent."""
+    return _ViewReader(views) if views else b""
 
 
 # ---------------------------------------------------------------------------------------
@@ -447,6 +481,11 @@ class S3Backend(FsspecBackend):
         config_kwargs.setdefault("connect_timeout", connect_timeout_s)
         config_kwargs.setdefault("read_timeout", read_timeout_s)
         config_kwargs.setdefault("max_pool_connections", max(10, 4 * self.max_concurrency))
+        #: An attempt counts as stalled after this many seconds without progress (0: never).
+        self.stall_s = float(connect_timeout_s) + float(read_timeout_s) if read_timeout_s else 0.0
+        # One attempt per pooled connection: an attempt never queues for a connection
+        # while its stall clock runs.
+        self._slots = asyncio.Semaphore(int(config_kwargs["max_pool_connections"]))
         style = addressing_style or ("path" if self.endpoint_url else None)
         if style:
             s3_conf = dict(config_kwargs.get("s3") or {})
@@ -549,7 +588,7 @@ class S3Backend(FsspecBackend):
         async def counted() -> T:
             nonlocal attempts
             attempts += 1
-            return await fn()
+            return await self._attempt(fn)
 
         try:
             return await retrying(counted)
@@ -558,6 +597,38 @@ class S3Backend(FsspecBackend):
             if mapped is exc:
                 raise
             raise mapped from exc
+
+    async def _attempt(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """One attempt of ``fn`` under the stall watchdog (see the module docstring)."""
+        async with self._slots:
+            progress = _Progress()
+            token = _PROGRESS.set(progress)
+            try:
+                if self.stall_s <= 0:
+                    return await fn()
+                async with asyncio.timeout(None) as deadline:
+                    watchdog = asyncio.create_task(self._watchdog(deadline, progress))
+                    try:
+                        return await fn()
+                    finally:
+                        watchdog.cancel()
+            except TimeoutError:
+                if not progress.stalled:
+                    raise
+                raise TimeoutError(
+                    f"nothing was sent or received for {self.stall_s:.0f}s "
+                    "(connect_timeout_s + read_timeout_s): the endpoint accepted the request "
+                    "but stopped answering or reading it"
+                ) from None
+            finally:
+                _PROGRESS.reset(token)
+
+    async def _watchdog(self, deadline: asyncio.Timeout, progress: _Progress) -> None:
+        loop = asyncio.get_running_loop()
+        while (left := progress.last + self.stall_s - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+        progress.stalled = True
+        deadline.reschedule(loop.time())  # cancels the attempt, raising TimeoutError
 
     def _map_error(
         self, exc: BaseException, what: str, attempts: int, elapsed: float
@@ -797,10 +868,16 @@ class S3Backend(FsspecBackend):
                     return b""  # start at or past the end (or an empty object)
                 raise
             body = resp["Body"]
+            progress = _PROGRESS.get()
+            chunks: list[bytes] = []
             try:
-                return bytes(await body.read())
+                while chunk := await body.read(_READ_CHUNK):
+                    chunks.append(chunk)
+                    if progress is not None:
+                        progress.touch()
             finally:
                 body.close()
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
         data = await self._retry(what, attempt)
         self._bucket_checked = True

@@ -895,6 +895,56 @@ class TestS3RetryPolicyOverHTTP:
         backend.close()
 
 
+class _SilentServer:
+    """A TCP endpoint that accepts connections and then neither reads nor answers: a hung
+    S3 server or gateway.  Counts connections; closes them all on :meth:`close`."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.conns: list[Any] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("body", ["bytes", "large view"])
+def test_a_put_to_an_endpoint_that_never_answers_fails_instead_of_hanging(body: str) -> None:
+    """aiohttp's read timeout starts only once the body is sent, and botocore sends puts
+    with 'Expect: 100-continue': a put to a server that accepted the connection and then
+    hung waited forever (the save, the reshard, the COMMITTED write with it).  Each attempt
+    now fails after connect_timeout_s + read_timeout_s without progress and is retried."""
+    server = _SilentServer()
+    backend = open_storage(
+        "s3://bucket/p", endpoint_url=server.url, key="k", secret="s", region="us-east-1",
+        retry_attempts=2, connect_timeout_s=0.5, read_timeout_s=1, **FAST_RETRY,
+    )
+    # 32 MiB: more than the socket buffers take from a peer that never reads
+    data: Any = b"payload" if body == "bytes" else memoryview(bytearray(32 << 20))
+    try:
+        with pytest.raises(TransientStorageError, match="stopped answering") as info:
+            backend.put("k", data)
+        assert "2 attempt(s)" in str(info.value)
+        assert len(server.conns) == 2  # one connection per attempt, each given up
+    finally:
+        backend.close()
+        server.close()
+
+
 class TestS3Configuration:
     """Construction only: no server needed."""
 
