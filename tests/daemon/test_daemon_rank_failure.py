@@ -5,6 +5,8 @@ failed rank and its error, instead of waiting for its commit timeout."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 from daemon_helpers import fsdp
@@ -88,3 +90,67 @@ def test_a_rank_whose_save_fails_before_handover_fails_the_others_at_once(tmp_pa
     assert [(s.step, s.committed) for s in steps] == [(1, False), (2, True), (3, False),
                                                       (4, True)]
     assert node.alive()
+
+
+def node_daemon_killed_mid_save(rank: int, world: int, root: str, run_dir: str) -> None:
+    """Rank 0 saves through daemon A, rank 1 through daemon B; B is SIGKILLed holding
+    rank 1's step 2 (not yet written) and restarted."""
+    import torch
+    import torch.distributed as dist
+    from ckptd_client import CheckpointClient
+
+    from ckptd.daemon.testing import start_daemon
+    from ckptd.errors import DaemonUnavailableError, SaveFailedError
+
+    store = f"file://{root}/store"
+    sock = os.path.join(run_dir, "ab"[rank], "ckptd.sock")
+    gate = os.path.join(root, "gate")  # daemon B holds every write while it is absent
+    env = {"CKPTD_TEST_WRITE_GATE": gate} if rank == 1 else {}
+    node = start_daemon(store, sock, staging_bytes="64MiB", env=env,
+                        log_path=os.path.join(root, f"daemon-{rank}.log"))
+    try:
+        if rank == 1:
+            open(gate, "w").close()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(32, 16)
+        client = CheckpointClient("lostnode", daemon=node.address)  # commit timeout 1800 s
+        assert client.save(model, step=1).step == 1
+        if rank == 1:
+            os.unlink(gate)
+        dist.barrier()
+        h2 = client.save_async(model, step=2)  # returns: each daemon owns its rank's bytes
+        dist.barrier()
+        if rank == 1:
+            node.kill()
+            with pytest.raises(DaemonUnavailableError, match="will not commit"):
+                h2.result(60)
+            open(gate, "w").close()
+            node = start_daemon(store, sock, staging_bytes="64MiB", env=env,
+                                log_path=os.path.join(root, "daemon-1b.log"))
+        # rank 1's next save registers with the restarted daemon, which records that its
+        # step 2 was lost; rank 0 stops waiting for step 2 (it waited 1800 s before)
+        assert client.save(model, step=3).step == 3
+        if rank == 0:
+            with pytest.raises(SaveFailedError) as err:
+                h2.result(60)
+            assert ("step 2 of job 'lostnode' will not commit: rank 1's save failed: "
+                    "DaemonUnavailableError") in str(err.value)
+        client.close()
+        dist.barrier()
+    finally:
+        node.kill()
+
+
+@pytest.mark.slow
+def test_a_node_daemon_killed_mid_save_fails_the_other_nodes_ranks_after_its_restart(tmp_path):
+    """The step a killed daemon held never commits; once the daemon is back, its rank's
+    client records that (AbandonSave) and the ranks of the other node fail instead of
+    waiting for their commit timeout; the steps before and after commit."""
+    root = str(tmp_path)
+    run_dir = tempfile.mkdtemp(prefix="ckd-", dir="/tmp")  # short socket paths
+    try:
+        run_world(node_daemon_killed_mid_save, 2, root, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    steps = list_steps(open_storage(f"file://{root}/store"), "lostnode")
+    assert [(s.step, s.committed) for s in steps] == [(1, True), (2, False), (3, True)]

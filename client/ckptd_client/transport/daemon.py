@@ -314,6 +314,10 @@ class DaemonTransport(Transport):
         self._starter = _ThreadStarter("ckptd-watch-starter")
         self.last_phases: dict[str, float] = {}
         self._plan_json: tuple[RankPlan, bytes] | None = None
+        # saves a daemon accepted and then lost (it died before they were durable): the
+        # next daemon this rank registers with records them as failed (AbandonSave), so the
+        # ranks of other nodes stop waiting for a commit that cannot happen
+        self._lost: list[tuple[SaveIdentity, str]] = []
         with self._lock:
             try:
                 session = self._ensure_session()
@@ -383,6 +387,8 @@ class DaemonTransport(Transport):
             raise DaemonUnavailableError("this CheckpointClient was closed")
         s = self._session
         if s is not None and self._session_alive(s):
+            if self._lost:  # the watch saw the loss after this session was registered
+                self._report_lost(s)
             return s
         if s is not None:
             log.warning("ckptd: the daemon at %s restarted or closed this rank's session; "
@@ -397,7 +403,23 @@ class DaemonTransport(Transport):
         self._gen += 1
         self._session = _Session(resp.session_id, self._gen, conn, resp.storage_url,
                                  resp.staging_budget_bytes)
+        if self._lost:
+            self._report_lost(self._session)
         return self._session
+
+    def _report_lost(self, s: _Session) -> None:
+        """Record the saves a previous daemon lost as failed (``_lost``), through the
+        daemon of session ``s``; called with the lock held."""
+        lost, self._lost = self._lost, []
+        for ident, error in lost:
+            try:
+                self._send_abandon(s.id, ident, error)
+            except DaemonUnavailableError:
+                self._lost.append((ident, error))  # gone again: tell the next one
+            except Exception as exc:  # noqa: BLE001 - best effort, see abandon()
+                log.warning("ckptd: could not record that step %d (rank %d) failed; the "
+                            "other ranks wait for their commit timeout: %s", ident.step,
+                            ident.rank, exc)
 
     def _attach(self, resp: pb.RegisterRankResponse) -> socket.socket:
         path = resp.fd_socket or self._socket_path + ".fds"
@@ -684,19 +706,22 @@ class DaemonTransport(Transport):
         that is gone or refuses leaves them to their commit timeout)."""
         if ident.world_size <= 1:
             return
-        identity = pb.SaveIdentity(job=ident.job, step=ident.step, attempt=ident.attempt,
-                                   rank=ident.rank, world_size=ident.world_size,
-                                   framework=ident.framework)
         try:
             with self._lock:
                 session_id = self._ensure_session().id
-            self._call("AbandonSave", pb.AbandonSaveRequest(
-                session_id=session_id, identity=identity, error_message=error[:4000]),
-                timeout=30.0)
+            self._send_abandon(session_id, ident, error)
         except Exception as exc:  # noqa: BLE001 - best effort, see above
             log.warning("ckptd: could not tell the daemon that rank %d's save of step %d "
                         "failed (the other ranks wait for their commit timeout): %s",
                         ident.rank, ident.step, exc)
+
+    def _send_abandon(self, session_id: str, ident: SaveIdentity, error: str) -> None:
+        identity = pb.SaveIdentity(job=ident.job, step=ident.step, attempt=ident.attempt,
+                                   rank=ident.rank, world_size=ident.world_size,
+                                   framework=ident.framework)
+        self._call("AbandonSave", pb.AbandonSaveRequest(
+            session_id=session_id, identity=identity, error_message=error[:4000]),
+            timeout=30.0)
 
     def _save_stream(self, req: pb.SaveRequest, buffer: torch.Tensor, nbytes: int) -> Any:
         mv = buffer.numpy().data.cast("B")[:nbytes]
@@ -766,6 +791,9 @@ class DaemonTransport(Transport):
                 f"{ident.job!r}, rank {ident.rank}) was being written: that step will not "
                 "commit. Earlier checkpoints are untouched; the next save reconnects to the "
                 f"restarted daemon. ({error})")
+            if ident.world_size > 1:
+                with self._lock:
+                    self._lost.append((ident, f"DaemonUnavailableError: {error}"))
         assert error is not None
         out.set_exception(error)
 
@@ -777,6 +805,13 @@ class DaemonTransport(Transport):
         with self._lock:
             if self._closed:
                 return
+            if self._lost:  # last chance to tell the other ranks (see _report_lost)
+                try:
+                    self._ensure_session()
+                except CkptdError as exc:
+                    log.warning("ckptd: the daemon at %s is not back; the other ranks wait "
+                                "for their commit timeout for step(s) %s: %s", self.address,
+                                sorted({i.step for i, _ in self._lost}), exc)
             self._closed = True
         for t in self._starter.close():
             t.join(timeout=5.0)
