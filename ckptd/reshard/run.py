@@ -658,11 +658,32 @@ def reshard(
             _finish(plan, gathered, dst, out_job, rec.step, attempt, dst_prefix)
             phases["commit"] = time.monotonic() - t1
         except Exception as exc:
-            status = str(exc) if isinstance(exc, CkptdError) else f"{type(exc).__name__}: {exc}"
-            err_type = type(exc).__name__
-            _cleanup(dst, dst_prefix)
-            if wk.size == 1:
-                raise
+            # A write that reported an error may still have landed (a 5xx or a lost answer
+            # after the store applied it): if that write was COMMITTED, the attempt is live
+            # and removing it would leave a committed step (in place: the source step)
+            # pointing at nothing.
+            state = _commit_state(dst, out_job, rec.step, attempt)
+            if state is True:
+                log.warning("the commit of %s reported an error (%s), but COMMITTED names the "
+                            "new attempt: the reshard is committed", dst_prefix, exc)
+                phases["commit"] = time.monotonic() - t1
+            else:
+                status = (str(exc) if isinstance(exc, CkptdError)
+                          else f"{type(exc).__name__}: {exc}")
+                err_type = type(exc).__name__
+                if state is False:
+                    _cleanup(dst, dst_prefix)
+                else:
+                    status += (
+                        f" Whether {dst.url}/{out_job} step {rec.step} is now committed to "
+                        f"attempt {attempt} is unknown ({state}); nothing was removed. Check "
+                        "with `ckptd ls` once the storage answers: if the step is not "
+                        "committed to it, `ckptd gc` removes the attempt after its grace "
+                        "period.")
+                if wk.size == 1:
+                    if state is False:
+                        raise
+                    raise StorageError(status) from exc
     status = wk.all_gather_bytes(
         ((err_type + "\n" + status) if status else "ok").encode() if wk.rank == 0 else b""
     )[0].decode()
@@ -679,6 +700,16 @@ def reshard(
         seconds=time.monotonic() - t0, workers=wk.size,
         phases={k: round(v, 3) for k, v in phases.items()},
     )
+
+
+def _commit_state(dst: StorageBackend, job: str, step: int, attempt: str) -> bool | str:
+    """Whether ``COMMITTED`` of ``step`` names ``attempt`` (True/False), or why that could
+    not be read (a string)."""
+    try:
+        rec = read_commit(dst, job, step)
+    except Exception as exc:  # noqa: BLE001 - the caller reports it
+        return f"reading its COMMITTED failed: {exc}"
+    return rec is not None and rec.attempt == attempt
 
 
 def _cleanup(dst: StorageBackend, prefix: str) -> None:

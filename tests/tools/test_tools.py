@@ -18,10 +18,12 @@ from reshard_jobs import fairscale_unwrapped
 from synth import write_step
 
 from ckptd.cli import main
+from ckptd.errors import StorageError, TransientStorageError
 from ckptd.format import paths
 from ckptd.format.commit import read_commit, resolve_step
 from ckptd.reshard.run import reshard
 from ckptd.storage import open_storage
+from ckptd.storage.testing import FailingBackend, FaultInjectingBackend
 from ckptd.tools.common import split_job_uri
 from ckptd.tools.export import export
 from ckptd.tools.gc import apply_retention
@@ -412,6 +414,54 @@ def test_reshard_and_export_on_s3(s3_uri, tmp_path, capsys):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "committed" in proc.stdout
     assert proc.stderr == "", proc.stderr
+
+
+class _CommitLandsButFails(FaultInjectingBackend):
+    """A put of COMMITTED reaches the store and then reports an error, as when the
+    store's answer is a 5xx or is lost after it applied the write; with ``unreadable``,
+    reading COMMITTED fails from then on (the store went away)."""
+
+    def __init__(self, inner, unreadable: bool = False) -> None:
+        super().__init__(inner, ops=("put", "get"), match=lambda k: k.endswith("/COMMITTED"))
+        self.unreadable, self.landed = unreadable, False
+
+    def put(self, key, data) -> None:
+        self.inner.put(key, data)
+        if key.endswith("/COMMITTED"):
+            self.landed = True
+            raise TransientStorageError(f"injected: the answer to the put of {key} was lost")
+
+    def _on_call(self, op: str, key: str) -> None:
+        if op == "get" and self.landed and self.unreadable:
+            raise TransientStorageError(f"injected: {key} cannot be read")
+
+
+@pytest.mark.s3
+def test_a_reshard_whose_commit_write_errs_after_landing_keeps_what_it_committed(
+        s3_uri, capsys):
+    """The commit's put reported an error although COMMITTED was written: the reshard
+    deleted its new attempt, so the step (in place: the source step) was committed to
+    objects that no longer existed.  Now a COMMITTED that names the new attempt means
+    success; one that cannot be read keeps everything and says so; one that was not
+    written still removes the partial output."""
+    storage = open_storage(s3_uri)
+    for job in ("landed", "unknown", "refused"):
+        write_step(storage, job, 1, "a1", world=2)
+    res = reshard(_CommitLandsButFails(storage), "landed", None, 3)
+    assert resolve_step(storage, "landed", None).attempt == res.attempt
+    with pytest.raises(StorageError, match="is unknown .*nothing was removed.*ckptd gc"):
+        reshard(_CommitLandsButFails(storage, unreadable=True), "unknown", None, 3)
+    new = resolve_step(storage, "unknown", None)
+    assert new.attempt.startswith("reshard-w3-")
+    refusing = FailingBackend(storage, match=lambda k: k.endswith("/COMMITTED"))
+    with pytest.raises(StorageError, match="injected permanent failure"):
+        reshard(refusing, "refused", None, 3)
+    assert resolve_step(storage, "refused", None).attempt == "a1"
+    step_dir = paths.step_dir("refused", 1)
+    assert {k.split("/")[2] for k in storage.list_files(step_dir)} == {"COMMITTED", "a1"}
+    for job in ("landed", "unknown", "refused"):
+        rc, doc = run_json(capsys, "verify", f"{s3_uri}/{job}")
+        assert rc == 0 and doc["ok"], doc
 
 
 def test_a_damaged_commit_marker_is_reported_and_does_not_stop_the_tools(tmp_path, capsys):
