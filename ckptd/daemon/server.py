@@ -184,7 +184,10 @@ def make_retention(cfg: DaemonConfig, storage: StorageBackend,
     def run(job: str, step: int) -> None:
         def work() -> None:
             try:
-                report = apply(storage, job, keep_last=keep_last, keep_every=cfg.keep_every)
+                # the step just committed is this job's newest checkpoint even when the
+                # job resumed from an older step and saves below the ones it rolled back from
+                report = apply(storage, job, keep_last=keep_last, keep_every=cfg.keep_every,
+                               keep_steps=(step,))
                 logs.event(f"retention applied to job {job} after step {step}", event="retention",
                            job=job, step=step, kept=report.kept_steps,
                            deleted=report.deleted_steps, objects_deleted=report.objects_deleted)

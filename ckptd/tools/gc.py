@@ -24,6 +24,7 @@ import argparse
 import logging
 import os
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -89,20 +90,24 @@ def _check(keep_last: int, keep_every: int | None, grace_s: float) -> None:
         raise ConfigError(f"the grace period must be >= 0 seconds, got {grace_s!r}")
 
 
-def plan_retention(committed: list[int], keep_last: int, keep_every: int | None) -> set[int]:
+def plan_retention(committed: list[int], keep_last: int, keep_every: int | None,
+                   keep_steps: Iterable[int] = ()) -> set[int]:
     """The committed steps to keep (pure)."""
     keep = set(sorted(committed)[-keep_last:]) if committed else set()
     if keep_every:
         keep |= {s for s in committed if s % keep_every == 0}
-    return keep
+    return keep | (set(keep_steps) & set(committed))
 
 
 def apply_retention(storage: StorageBackend, job: str, keep_last: int,
                     keep_every: int | None = None, grace_s: float = DEFAULT_GRACE_S,
                     dry_run: bool = False, *, now: float | None = None,
-                    threads: int = 16) -> GcReport:
+                    threads: int = 16, keep_steps: Iterable[int] = ()) -> GcReport:
     """Apply the retention policy to ``job`` (see the module docstring); returns what was
-    (or, with ``dry_run``, would be) deleted.  ``now`` overrides the clock (tests)."""
+    (or, with ``dry_run``, would be) deleted.  ``now`` overrides the clock (tests).
+    ``keep_steps``: committed steps kept whatever their number (the daemon passes the step
+    it just committed: a job that resumed from an older step saves below the numbers of the
+    steps it rolled back from, and its newest checkpoint must not go)."""
     _check(keep_last, keep_every, grace_s)
     paths.check_job(job)
     t0 = time.monotonic()
@@ -127,7 +132,7 @@ def apply_retention(storage: StorageBackend, job: str, keep_last: int,
     report.damaged_steps = [s for s, rec, _ in scanned if rec is _DAMAGED]
     scanned = [x for x in scanned if x[1] is not _DAMAGED]
     committed = [s for s, rec, _ in scanned if rec is not None]
-    keep = plan_retention(committed, keep_last, keep_every)
+    keep = plan_retention(committed, keep_last, keep_every, keep_steps)
     report.kept_steps = sorted(keep)
     doomed_markers: list[str] = []
     prefixes: list[tuple[str, Removal]] = []

@@ -380,7 +380,6 @@ def test_retention_after_commit(tmp_path, daemons: Daemons):
     m = torch.nn.Linear(8, 8)
     for step in (10, 11, 12, 13, 14):
         client.save(m, step=step, timeout=60)
-    client.close()
     store = open_storage(f"file://{tmp_path}/store")
     for _ in range(600):   # retention runs on the daemon after each commit
         if committed_steps(store, "keep") == [10, 13, 14]:
@@ -388,6 +387,17 @@ def test_retention_after_commit(tmp_path, daemons: Daemons):
         threading.Event().wait(0.05)
     assert committed_steps(store, "keep") == [10, 13, 14], d.log()
     assert "retention applied" in d.log()
+    # the job rolls back to step 10 and saves step 11 again: the retention after that commit
+    # keeps it, although steps 13 and 14 (of the abandoned run) have higher numbers
+    client.load(m, step=10)
+    client.save(m, step=11, timeout=60)
+    client.close()
+    for _ in range(600):
+        if d.log().count("retention applied to job keep after step 11") == 2:
+            break
+        threading.Event().wait(0.05)
+    assert d.log().count("retention applied to job keep after step 11") == 2, d.log()
+    assert committed_steps(store, "keep") == [10, 11, 13, 14], d.log()
 
 
 def test_socket_directory_and_socket_modes(daemons: Daemons):
