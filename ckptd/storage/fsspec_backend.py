@@ -185,20 +185,29 @@ class LocalBackend(FsspecBackend):
         if path in self._known_dirs:
             return
         with self._dir_lock:
-            missing = []
-            d = path
-            while not os.path.isdir(d):
-                missing.append(d)
-                parent = os.path.dirname(d)
-                if parent == d:
-                    break
-                d = parent
-            for m in reversed(missing):
+            for tries in range(8):
+                missing = []
+                d = path
+                while not os.path.isdir(d):
+                    missing.append(d)
+                    parent = os.path.dirname(d)
+                    if parent == d:
+                        break
+                    d = parent
                 try:
-                    os.mkdir(m, 0o755)
-                except FileExistsError:
-                    pass
-                _fsync_dir(os.path.dirname(m))
+                    for m in reversed(missing):
+                        try:
+                            os.mkdir(m, 0o755)
+                        except FileExistsError:
+                            pass
+                        _fsync_dir(os.path.dirname(m))
+                except FileNotFoundError:
+                    # a directory this just made, still empty, was removed by another
+                    # process (retention's rmdir of an empty step directory): walk again
+                    if tries == 7:
+                        raise
+                    continue
+                break
             self._known_dirs.add(path)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer]) -> None:

@@ -369,6 +369,30 @@ class TestLocalBackend(StorageConformance):
         backend.put("dir/new", b"new data")  # the next save works
         assert backend.get("dir/new") == b"new data"
 
+    def test_put_while_another_process_removes_the_empty_parent_it_just_made(
+        self, backend: LocalBackend, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Retention (``ckptd gc``, the daemon's --keep-last) removes step directories left
+        empty with rmdir; one a save has just created, before its attempt directory, is
+        empty too.  The save goes on instead of failing with FileNotFoundError."""
+        import ckptd.storage.fsspec_backend as fb
+
+        backend.put("job/000000000001/COMMITTED", b"{}")
+        step = os.path.join(backend.root, "job", "000000000002")
+        real = fb._fsync_dir
+        removed: list[str] = []
+
+        def fsync_then_prune(path: str) -> None:
+            real(path)
+            if not removed and os.path.isdir(step) and not os.listdir(step):
+                os.rmdir(step)  # as _prune_empty_dirs does, between the two mkdirs
+                removed.append(step)
+
+        monkeypatch.setattr(fb, "_fsync_dir", fsync_then_prune)
+        backend.put("job/000000000002/attempt/model/w/c/0", b"chunk")
+        assert removed == [step]
+        assert backend.get("job/000000000002/attempt/model/w/c/0") == b"chunk"
+
     def test_a_file_where_a_directory_belongs_is_named_with_what_to_do(
         self, backend: LocalBackend
     ) -> None:
