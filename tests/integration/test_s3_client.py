@@ -95,3 +95,38 @@ def test_background_write_rides_out_an_s3_outage_while_a_load_fails_fast(
         reader.close()
     finally:
         proxy.close()
+
+
+@pytest.mark.s3
+def test_a_commit_write_that_errs_after_landing_is_a_committed_save(s3_uri):
+    """The put of COMMITTED reached the store and then reported an error (a 5xx or a lost
+    answer): the save's handle failed although the step was committed and loaded.  Now
+    the commit is read back; a COMMITTED that was never written still fails the save."""
+    from ckptd.errors import TransientStorageError
+    from ckptd.storage.testing import FaultInjectingBackend
+
+    class CommitLandsButFails(FaultInjectingBackend):
+        def __init__(self, inner, lands: bool) -> None:
+            super().__init__(inner)
+            self.lands = lands
+
+        def put(self, key, data) -> None:
+            if key.endswith("/COMMITTED"):
+                if self.lands:
+                    self.inner.put(key, data)
+                raise TransientStorageError(f"injected: the put of {key} failed")
+            self.inner.put(key, data)
+
+    client = CheckpointClient("lands", storage=s3_uri)
+    transport = client._transport
+    m = torch.nn.Linear(8, 4)
+    transport._wstorage = CommitLandsButFails(transport._wstorage, lands=True)
+    assert client.save_async(m, step=1).result(60).step == 1
+    transport._wstorage = CommitLandsButFails(transport._wstorage.inner, lands=False)
+    with pytest.raises(TransientStorageError, match="injected"):
+        client.save_async(m, step=2).result(60)
+    client.close()
+    assert committed_steps(open_storage(s3_uri), "lands") == [1]
+    loaded = torch.nn.Linear(8, 4)
+    assert CheckpointClient("lands", storage=s3_uri).load(loaded).step == 1
+    assert torch.equal(loaded.weight, m.weight)

@@ -96,8 +96,17 @@ class EmbeddedTransport(Transport):
                 finally:
                     lease.release()
                 nbytes = sum(c.nbytes for a in manifest.arrays.values() for c in a.chunks.values())
-                if try_commit(self._wstorage, ident.job, ident.step, ident.attempt,
-                              ident.world_size) is not None:
+                try:
+                    committed = try_commit(self._wstorage, ident.job, ident.step, ident.attempt,
+                                           ident.world_size) is not None
+                except Exception as exc:  # noqa: BLE001 - wait() below decides
+                    # The COMMITTED put may have landed although it reported an error (a
+                    # 5xx or a lost answer): wait() reads it back, and commits again or
+                    # fails with the error if it is not there.
+                    log.warning("ckptd: commit of step %d reported an error (%s); checking "
+                                "whether it is committed", ident.step, exc)
+                    committed = False
+                if committed:
                     log.info("ckptd: committed step %d of job %s", ident.step, ident.job)
                     out.set_result(info(nbytes))
                     return
