@@ -652,7 +652,14 @@ class S3Backend(FsspecBackend):
                 f"{self.endpoint_url or 'AWS S3'}, but it does not exist (NoSuchBucket). Create "
                 "the bucket (e.g. `aws s3 mb s3://" + self.bucket + "`) or fix the URI."
             )
-        if code in PERMISSION_CODES or isinstance(exc, PermissionError) or _is_no_credentials(exc):
+        if _is_no_credentials(exc):
+            return StoragePermissionError(
+                f"{what} in {self.url}: expected S3 credentials, but found none to sign the "
+                f"request with ({type(exc).__name__}: {msg}); nothing was sent to S3. Set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the key=/secret= options, an "
+                "AWS profile, or an instance/pod role)."
+            )
+        if code in PERMISSION_CODES or isinstance(exc, PermissionError):
             return StoragePermissionError(
                 f"{what} in {self.url}: expected the credentials to allow it, but S3 refused "
                 f"({found}: {msg}). Check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the "

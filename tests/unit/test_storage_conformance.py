@@ -775,6 +775,28 @@ class TestS3Backend(StorageConformance):
             backend.get("k")
         backend.close()
 
+    def test_no_credentials_at_all(
+        self, s3_uri: str, s3_options: dict[str, str], tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """No credentials anywhere: the message said 'S3 refused' although nothing was sent."""
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                     "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                     "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        opts = {k: v for k, v in s3_options.items() if k not in ("key", "secret")}
+        backend = open_storage(s3_uri, **opts)
+        for call in (lambda: backend.put("k", b"1"), lambda: backend.list_files("")):
+            with pytest.raises(StoragePermissionError) as info:
+                call()
+            msg = str(info.value)
+            assert "found none" in msg and "nothing was sent" in msg
+            assert "AWS_ACCESS_KEY_ID" in msg and "refused" not in msg
+        backend.close()
+
     def test_missing_bucket(self, s3_options: dict[str, str]) -> None:
         backend = open_storage("s3://ckptd-no-such-bucket/p", part_size=5 * MiB, **s3_options)
         log = RequestLog(backend)
