@@ -287,7 +287,11 @@ class CheckpointClient:
         t2 = time.perf_counter()
         phases["collect"], phases["plan"] = t1 - t0, t2 - t1
         ident = SaveIdentity(self.job, step, attempt, self.rank, self.world_size, framework)
-        lease = self._acquire(plan.nbytes)
+        try:
+            lease = self._acquire(plan.nbytes)
+        except Exception as exc:  # e.g. the node's daemon is restarting: the others' step
+            self._transport.abandon(ident, f"{type(exc).__name__}: {exc}")  # cannot commit
+            raise
         phases["acquire"] = time.perf_counter() - t2
         if isinstance(lease, str):  # skipped, and why
             self._counters.skipped += 1

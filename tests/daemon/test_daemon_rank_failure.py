@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 from daemon_helpers import fsdp
@@ -94,7 +95,11 @@ def test_a_rank_whose_save_fails_before_handover_fails_the_others_at_once(tmp_pa
 
 def node_daemon_killed_mid_save(rank: int, world: int, root: str, run_dir: str) -> None:
     """Rank 0 saves through daemon A, rank 1 through daemon B; B is SIGKILLed holding
-    rank 1's step 2 (not yet written) and restarted."""
+    rank 1's step 2 (not yet written) and restarted; then B is upgraded: SIGTERM while it
+    holds step 4 (step 5 is refused while it drains), down (step 6 finds no daemon), back
+    (step 7)."""
+    import signal
+
     import torch
     import torch.distributed as dist
     from ckptd_client import CheckpointClient
@@ -135,6 +140,37 @@ def node_daemon_killed_mid_save(rank: int, world: int, root: str, run_dir: str) 
                 h2.result(60)
             assert ("step 2 of job 'lostnode' will not commit: rank 1's save failed: "
                     "DaemonUnavailableError") in str(err.value)
+        # rolling upgrade of B: steps refused while it drains or is down fail on rank 0 too
+        if rank == 1:
+            os.unlink(gate)
+        dist.barrier()
+        h4 = client.save_async(model, step=4)
+        dist.barrier()
+        later = []
+        if rank == 1:
+            node.proc.send_signal(signal.SIGTERM)
+            for _ in range(600):
+                if "draining" in node.log():
+                    break
+                time.sleep(0.05)
+            with pytest.raises(DaemonUnavailableError, match="shutting down"):
+                client.save_async(model, step=5)
+            open(gate, "w").close()
+            assert node.proc.wait(60) == 0 and h4.result(60).step == 4
+            client._transport.connect_timeout = 1.0  # instead of 30 s
+            with pytest.raises(DaemonUnavailableError, match="not reachable"):
+                client.save_async(model, step=6)
+            node = start_daemon(store, sock, staging_bytes="64MiB", env=env,
+                                log_path=os.path.join(root, "daemon-1c.log"))
+        else:
+            later = [client.save_async(model, step=5), client.save_async(model, step=6)]
+            assert h4.result(60).step == 4
+        dist.barrier()
+        assert client.save(model, step=7).step == 7  # rank 1 registers: records 5 and 6
+        for step, h in zip((5, 6), later):
+            with pytest.raises(SaveFailedError, match=f"step {step} of job 'lostnode' will not "
+                               "commit: rank 1's save failed: DaemonUnavailableError"):
+                h.result(60)
         client.close()
         dist.barrier()
     finally:
@@ -142,10 +178,12 @@ def node_daemon_killed_mid_save(rank: int, world: int, root: str, run_dir: str) 
 
 
 @pytest.mark.slow
-def test_a_node_daemon_killed_mid_save_fails_the_other_nodes_ranks_after_its_restart(tmp_path):
-    """The step a killed daemon held never commits; once the daemon is back, its rank's
-    client records that (AbandonSave) and the ranks of the other node fail instead of
-    waiting for their commit timeout; the steps before and after commit."""
+def test_a_node_daemon_killed_or_restarted_fails_the_other_nodes_ranks_when_it_is_back(
+        tmp_path):
+    """The step a killed daemon held, and the steps refused while a daemon drains or is
+    down, never commit; once the daemon is back, its rank's client records that
+    (AbandonSave) and the ranks of the other node fail instead of waiting for their commit
+    timeout (30 min); the steps before and after commit."""
     root = str(tmp_path)
     run_dir = tempfile.mkdtemp(prefix="ckd-", dir="/tmp")  # short socket paths
     try:
@@ -153,4 +191,6 @@ def test_a_node_daemon_killed_mid_save_fails_the_other_nodes_ranks_after_its_res
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     steps = list_steps(open_storage(f"file://{root}/store"), "lostnode")
-    assert [(s.step, s.committed) for s in steps] == [(1, True), (2, False), (3, True)]
+    assert [(s.step, s.committed) for s in steps] == [(1, True), (2, False), (3, True),
+                                                      (4, True), (5, False), (6, False),
+                                                      (7, True)]

@@ -314,9 +314,11 @@ class DaemonTransport(Transport):
         self._starter = _ThreadStarter("ckptd-watch-starter")
         self.last_phases: dict[str, float] = {}
         self._plan_json: tuple[RankPlan, bytes] | None = None
-        # saves a daemon accepted and then lost (it died before they were durable): the
-        # next daemon this rank registers with records them as failed (AbandonSave), so the
-        # ranks of other nodes stop waiting for a commit that cannot happen
+        # saves of this rank that cannot commit (not handed over, or lost by a daemon that
+        # died before they were durable) and are not yet recorded as failed: the daemon of
+        # this rank's live session, else the next one it registers with, records them
+        # (AbandonSave), so the ranks of other nodes stop waiting for a commit that cannot
+        # happen (see abandon)
         self._lost: list[tuple[SaveIdentity, str]] = []
         with self._lock:
             try:
@@ -694,26 +696,26 @@ class DaemonTransport(Transport):
         return data
 
     def _handover_error(self, ident: SaveIdentity, exc: BaseException) -> BaseException:
+        self.abandon(ident, f"{type(exc).__name__}: {exc}")
         if isinstance(exc, DaemonUnavailableError):
             return DaemonUnavailableError(
                 f"step {ident.step} (rank {ident.rank}) was not handed over: {exc}")
-        self.abandon(ident, f"{type(exc).__name__}: {exc}")
         return exc
 
     def abandon(self, ident: SaveIdentity, error: str) -> None:
-        """Ask the daemon to record that this rank's save ``ident`` failed before it was
-        handed over, so the other ranks stop waiting for its commit (best effort: a daemon
-        that is gone or refuses leaves them to their commit timeout)."""
+        """Have a daemon record that this rank's save ``ident`` failed (not handed over,
+        or lost with a daemon that died), so the other ranks stop waiting for its commit:
+        the daemon of the live session does it now; when the daemon is draining, gone or
+        restarting, the one this rank registers with next (its next save, load, or
+        ``close()``).  Nothing here waits for a daemon.  Best effort: a daemon that refuses,
+        or none coming back, leaves the other ranks to their commit timeout."""
         if ident.world_size <= 1:
             return
-        try:
-            with self._lock:
-                session_id = self._ensure_session().id
-            self._send_abandon(session_id, ident, error)
-        except Exception as exc:  # noqa: BLE001 - best effort, see above
-            log.warning("ckptd: could not tell the daemon that rank %d's save of step %d "
-                        "failed (the other ranks wait for their commit timeout): %s",
-                        ident.rank, ident.step, exc)
+        with self._lock:
+            self._lost.append((ident, error))
+            s = self._session
+            if s is not None and not self._closed and self._session_alive(s):
+                self._report_lost(s)
 
     def _send_abandon(self, session_id: str, ident: SaveIdentity, error: str) -> None:
         identity = pb.SaveIdentity(job=ident.job, step=ident.step, attempt=ident.attempt,
@@ -791,9 +793,7 @@ class DaemonTransport(Transport):
                 f"{ident.job!r}, rank {ident.rank}) was being written: that step will not "
                 "commit. Earlier checkpoints are untouched; the next save reconnects to the "
                 f"restarted daemon. ({error})")
-            if ident.world_size > 1:
-                with self._lock:
-                    self._lost.append((ident, f"DaemonUnavailableError: {error}"))
+            self.abandon(ident, f"DaemonUnavailableError: {error}")
         assert error is not None
         out.set_exception(error)
 
