@@ -194,6 +194,8 @@ class StagingPool:
                 f"session holds {len(s.slots)} staging segments already (at most "
                 f"{MAX_SEGMENTS_PER_SESSION}); release one first")
         size = (read_segment_size(nbytes) if read else segment_size(nbytes)) if shm else nbytes
+        if shm and not read:
+            self._check_fits_next_to_job(s, size)
         await self.budget.acquire(size, wait=wait, timeout=timeout)  # BackpressureError: busy
         self.metrics.staging_in_use.set(self.budget.in_use)
         slot = Slot(secrets.token_hex(8), s, size,
@@ -213,6 +215,28 @@ class StagingPool:
             raise _unknown_session(s.id)
         s.slots[slot.id] = slot
         return slot
+
+    def _check_fits_next_to_job(self, s: Session, size: int) -> None:
+        """A save segment for ``s`` must fit the budget next to the save segments the
+        other ranks of its job on this node hold: clients keep theirs for reuse and never
+        give them back while they train, so waiting for that room (or skipping until it
+        frees) would wait forever -- the ranks of one job train in lockstep."""
+        held: dict[int, int] = {}
+        for o in self.sessions.values():
+            if o is s or o.closed or o.job != s.job:
+                continue
+            n = sum(x.size for x in o.slots.values() if x.kind == "shm" and x.state != FREED)
+            if n:
+                held[o.rank] = held.get(o.rank, 0) + n
+        if held and size + sum(held.values()) > self.budget.capacity:
+            need = size + sum(held.values())
+            raise StagingError(
+                f"rank {s.rank} of job {s.job!r} needs a {size}-byte staging segment, and "
+                f"ranks {sorted(held)} of the job on this node keep {sum(held.values())} bytes "
+                f"of segments for their saves: {need} bytes, more than the node's staging "
+                f"budget of {self.budget.capacity} bytes, so this rank could never stage. "
+                "Raise `ckptd serve --staging-bytes` to at least the per-rank shard size times "
+                "the ranks of the job on this node (x2 for two saves in flight)")
 
     def _slot(self, s: Session, slot_id: str) -> Slot:
         slot = s.slots.get(slot_id)

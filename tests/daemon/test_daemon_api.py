@@ -400,6 +400,40 @@ def test_retention_after_commit(tmp_path, daemons: Daemons):
     assert committed_steps(store, "keep") == [10, 11, 13, 14], d.log()
 
 
+def test_a_budget_too_small_for_one_segment_per_rank_of_the_job_fails_instead_of_waiting(
+        daemons: Daemons):
+    """Clients keep their segment for reuse: when rank 0's segment leaves no room for rank
+    1's on this node, rank 1 could never stage (it waited forever under 'block', skipped every
+    step under 'skip'); another job's rank may still wait for room."""
+    from ckptd_client.transport.daemon import DaemonTransport
+
+    d = daemons.start(staging_bytes="64MiB")
+    t0, t1, other = (DaemonTransport(d.address, job=j, rank=r, world_size=2)
+                     for j, r in (("tight", 0), ("tight", 1), ("other", 0)))
+    try:
+        lease = t0.acquire(40 << 20, block=False)
+        assert lease is not None
+        for block in (False, True):
+            with pytest.raises(StagingError, match=r"rank 1 of job 'tight' needs a \d+-byte "
+                               r"staging segment, and ranks \[0\] of the job on this node keep "
+                               r".*staging-bytes"):
+                t1.acquire(40 << 20, block=block)
+        assert other.acquire(40 << 20, block=False) is None  # busy: it may wait for room
+        lease.release()
+        t0.close()
+        for _ in range(200):  # the daemon closes rank 0's session once it sees the client go
+            try:
+                assert t1.acquire(40 << 20, block=False) is not None
+                break
+            except StagingError:
+                threading.Event().wait(0.05)
+        else:
+            raise AssertionError("rank 1 could not stage after rank 0's client closed")
+    finally:
+        for t in (t0, t1, other):
+            t.close()
+
+
 def test_socket_directory_and_socket_modes(daemons: Daemons):
     """Created under a restrictive umask inside a 0750 (setgid, socket group) directory."""
     import stat
