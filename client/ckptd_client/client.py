@@ -9,6 +9,7 @@ mode, the node's daemon otherwise) and runs the commit protocol.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -41,7 +42,7 @@ from ckptd.format.reader import CheckpointReader
 from ckptd.format.writer import SaveIdentity
 from ckptd_client import extra as extra_state
 from ckptd_client.adapters import TensorMeta, adapter_for
-from ckptd_client.collectives import broadcast_str, min_over_ranks
+from ckptd_client.collectives import all_gather_ints, broadcast_str, min_over_ranks
 from ckptd_client.staging import ready_event, stage
 from ckptd_client.transport.base import Lease, Transport
 
@@ -180,6 +181,8 @@ class CheckpointClient:
             self._transport = DaemonTransport(
                 daemon, job=self.job, rank=self.rank, world_size=self.world_size,  # type: ignore[arg-type]
                 token=token, commit_timeout=commit_timeout)
+        if self.world_size > 1:
+            self._check_same_storage()
         self._inflight: list[SaveHandle] = []
         self._closed = False
         self._adapter_for: tuple[torch.nn.Module, Any] | None = None
@@ -193,6 +196,26 @@ class CheckpointClient:
         #: plan, acquire, stage, submit; the transport may add its own sub-phases)
         self.last_phases: dict[str, float] = {}
         _OPEN_CLIENTS.add(self)
+
+    def _check_same_storage(self) -> None:
+        """Every rank must write where the others do (a daemon started with another
+        --storage on one node): otherwise no save could ever commit, and each would fail
+        only at its commit timeout, naming missing rank manifests.  Local paths are compared
+        by scheme only: a shared filesystem may be mounted at another path on some nodes."""
+        url = self._transport.url
+        key = "file" if url.startswith("file:") else url
+        mine = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
+        hashes = [h[0] for h in all_gather_ints([mine], self.group)]
+        if len(set(hashes)) == 1:
+            return
+        first = broadcast_str(url, self.group)
+        other = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        self._transport.close()
+        raise ConfigError(
+            f"the ranks of job {self.job!r} write to different storage: rank 0 to {first!r}, "
+            f"ranks {other} elsewhere (this rank, {self.rank}: {url!r}), so no checkpoint "
+            "could commit. Give every node's daemon the same --storage (CKPTD_STORAGE), or "
+            "every embedded client the same storage=.")
 
     # -- saving --------------------------------------------------------------------------
     @property

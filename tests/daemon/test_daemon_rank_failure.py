@@ -194,3 +194,23 @@ def test_a_node_daemon_killed_or_restarted_fails_the_other_nodes_ranks_when_it_i
     assert [(s.step, s.committed) for s in steps] == [(1, True), (2, False), (3, True),
                                                       (4, True), (5, False), (6, False),
                                                       (7, True)]
+
+
+def ranks_on_daemons_with_other_storage(rank: int, world: int, addresses: list[str]) -> None:
+    from ckptd_client import CheckpointClient
+
+    from ckptd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the ranks of job 'split' write to different "
+                       r"storage: rank 0 to 'file://.*', ranks \[1\] elsewhere .*same --storage"):
+        CheckpointClient("split", daemon=addresses[rank])
+
+
+@pytest.mark.slow
+def test_ranks_whose_daemons_write_to_different_storage_are_refused_at_once(tmp_path, daemons):
+    """One node's daemon with another --storage: no save of the job could commit (each
+    waited its commit timeout), so the client says so when it is created.  (The daemon does
+    not reach S3 before a save: no S3 server is needed.)"""
+    node0 = daemons.start(storage=f"file://{tmp_path}/store")
+    node1 = daemons.start(storage="s3://another-bucket/ckpt")
+    run_world(ranks_on_daemons_with_other_storage, 2, [node0.address, node1.address])
