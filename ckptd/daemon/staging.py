@@ -220,7 +220,10 @@ class StagingPool:
         """A save segment for ``s`` must fit the budget next to the save segments the
         other ranks of its job on this node hold: clients keep theirs for reuse and never
         give them back while they train, so waiting for that room (or skipping until it
-        frees) would wait forever -- the ranks of one job train in lockstep."""
+        frees) would wait forever -- the ranks of one job train in lockstep.  Only for a
+        session's first save segment: one that holds a segment can wait for its own."""
+        if any(x.kind == "shm" and x.state != FREED for x in s.slots.values()):
+            return
         held: dict[int, int] = {}
         for o in self.sessions.values():
             if o is s or o.closed or o.job != s.job:
