@@ -3,7 +3,8 @@
 :func:`encode` turns a nested value into JSON, moving every tensor (and numpy array) out
 into a list so it can be stored as a tensor; :func:`decode` reverses it.  Nothing is
 pickled.  Supported: None, bool, int, float (incl. nan/inf), str, list, tuple, dict (any
-keys of those scalar types), torch.Tensor, numpy arrays and scalars.
+keys of those scalar types), dense torch.Tensor, numpy arrays and scalars (a numpy
+scalar comes back as the Python bool/int/float/str of the same value).
 """
 
 from __future__ import annotations
@@ -50,13 +51,31 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str, active: set[int]) 
     if isinstance(obj, (int, float)):
         return obj
     if isinstance(obj, torch.Tensor):
+        _check_tensor(obj, path)
         tensors.append(obj.detach())
         return {"__tensor__": len(tensors) - 1}
     if np is not None and isinstance(obj, np.ndarray):
-        tensors.append(torch.from_numpy(np.ascontiguousarray(obj)).clone())
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(obj)).clone()
+        except (TypeError, ValueError) as exc:  # object, str, datetime, big-endian arrays
+            raise ConfigError(
+                f"extra state value at {path} is a numpy array of dtype {obj.dtype.str!r}, "
+                f"which ckptd cannot store ({exc}); expected a native-byte-order bool, int, "
+                "uint, float or complex array. Convert it (e.g. `arr.astype(arr.dtype."
+                "newbyteorder('='))` or `arr.tolist()`) before saving."
+            ) from None
+        tensors.append(t)
         return {"__ndarray__": len(tensors) - 1}
     if np is not None and isinstance(obj, np.generic):
-        return obj.item()
+        value = obj.item()  # comes back as the Python int/float/bool/str of the same value
+        if type(value) not in _PLAIN:
+            raise ConfigError(
+                f"extra state value at {path} is a numpy {type(obj).__name__} scalar, which "
+                "ckptd cannot store as JSON; expected a numpy bool, int, float or str scalar. "
+                "Wrap it in an array (`np.asarray(x)`, stored as a 0-d array) or convert it "
+                "before saving."
+            )
+        return value
     if not isinstance(obj, (tuple, list, dict)):
         raise ConfigError(
             f"extra state value at {path} is a {type(obj).__name__}, which ckptd cannot store "
@@ -89,6 +108,28 @@ def _encode(obj: Any, tensors: list[torch.Tensor], path: str, active: set[int]) 
         return {"__items__": items}
     finally:
         active.discard(id(obj))
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    """ConfigError naming ``path`` for a tensor ckptd cannot store (checked here so the
+    message names the extra value, not the internal name ``_extra/<rank>/<i>``)."""
+    from ckptd.format.dtypes import SUPPORTED, dtype_name
+
+    why = None
+    if t.layout != torch.strided or t.is_nested:
+        why = (f"a {'nested' if t.is_nested else str(t.layout)} tensor; ckptd stores dense "
+               "(strided) tensors. Convert it (e.g. `t.to_dense()`) before saving")
+    elif t.is_meta:
+        why = ("a tensor on the meta device (without data); ckptd saves real values only. "
+               "Materialize it before saving")
+    else:
+        try:
+            dtype_name(t.dtype)
+        except TypeError:
+            why = (f"a tensor of dtype {t.dtype}; ckptd stores {', '.join(SUPPORTED)}. Convert it "
+                   "(e.g. dequantize a quantized tensor) before saving")
+    if why is not None:
+        raise ConfigError(f"extra state value at {path} is {why}.")
 
 
 def decode(doc: Any, tensor: Callable[[int], torch.Tensor]) -> Any:

@@ -119,6 +119,23 @@ def test_extra_state_rejects_unstorable_values(tmp_path):
         deep = [deep]
     with pytest.raises(ConfigError, match="nested too deeply"):
         c.save_async(Mixed(0), step=1, extra={"deep": deep})
+    # each named by where it is in `extra` (not as an internal tensor name, nor a bare
+    # TypeError from json or torch.from_numpy)
+    for value, what in [
+        (np.complex64(1 + 2j), "numpy complex64 scalar"),
+        (np.datetime64("2024-01-01"), "numpy datetime64 scalar"),
+        (np.bytes_(b"ab"), "numpy bytes_ scalar"),
+        (np.array(["a", "b"]), "numpy array of dtype '<U1'"),
+        (np.array([1.0], dtype=">f4"), "numpy array of dtype '>f4'"),
+        (torch.eye(2).to_sparse(), "torch.sparse_coo tensor"),
+        (torch.empty(2, device="meta"), "tensor on the meta device"),
+        (torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8), "dtype torch.qint8"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"extra state value at extra.v\[1\] is .*{what}"):
+            c.save_async(Mixed(0), step=1, extra={"v": [0, value]})
+    # numpy scalars of JSON kinds come back as the Python value
+    assert extra_state.encode([np.float16(0.1), np.uint64(2**64 - 1), np.bool_(True)], []) == [
+        0.0999755859375, 2**64 - 1, True]
     # nothing was saved, and the client still saves
     assert c.list_steps() == []
     c.save(Mixed(0), step=1, extra={"ok": [1, 2]})
