@@ -217,6 +217,29 @@ class CheckpointClient:
             "could commit. Give every node's daemon the same --storage (CKPTD_STORAGE), or "
             "every embedded client the same storage=.")
 
+    def _check_world(self, what: str, *, saving: bool) -> None:
+        """A client that runs as the only rank while the job has more: every rank would save
+        a world-size-1 checkpoint of the same step, each replacing the others' (the shards of
+        all but one rank silently lost)."""
+        if self.world_size != 1 or self.group is not None:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                f"{what}: this CheckpointClient (job {self.job!r}) was created before "
+                "torch.distributed.init_process_group(), so it runs as the only rank, but the "
+                f"process group now has {dist.get_world_size()} ranks. Create the "
+                "CheckpointClient after init_process_group(), on every rank.")
+        env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+        if saving and env_world.isdigit() and int(env_world) > 1 and not (
+                dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                f"{what}: WORLD_SIZE={env_world} is set (a launcher such as torchrun started "
+                f"{env_world} processes) but no torch.distributed process group is "
+                "initialized, so each process would save as the only rank of a world-size-1 "
+                "job and overwrite the others' checkpoint. Call "
+                "torch.distributed.init_process_group() before creating the CheckpointClient "
+                "(or unset WORLD_SIZE if this process really is alone).")
+
     # -- saving --------------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
@@ -285,6 +308,7 @@ class CheckpointClient:
                 "close() or the end of its `with` block released its writer. Keep the client "
                 "open for the whole training loop, or create a new one."
             )
+        self._check_world(f"save_async(step={step})", saving=True)
         if step is None:
             step = self._counters.next_step
         step = paths.check_step(step)
@@ -488,6 +512,7 @@ class CheckpointClient:
         # from the model (the load would change its tensors under the copy), and a commit
         # that some ranks see before they resolve the latest step and others after made the
         # ranks load different steps.
+        self._check_world(f"load(step={step})", saving=False)
         self.wait()
         storage = self._transport.storage()
         rec = resolve_step(storage, self.job, step)
