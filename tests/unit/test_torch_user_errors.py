@@ -58,6 +58,12 @@ def test_unstorable_dtype_names_the_tensor_and_keeps_earlier_steps(tmp_path):
                                           r"of 1 tensors: model/phase \(torch.complex32\);.*"
                                           r"Convert them"):
         client.save(Odd(), step=2)
+    # a sparse buffer: torch's storage access failed with NotImplementedError
+    sparse = _net()
+    sparse.register_buffer("mask", torch.eye(3).to_sparse())
+    with pytest.raises(ConfigError, match=r"state entry 'model/mask' is a torch.sparse_coo "
+                                          r"tensor; ckptd stores dense"):
+        client.save(sparse, step=2)
     assert client.list_steps() == [1]
     fresh = _net()
     assert client.load(fresh).step == 1

@@ -267,6 +267,13 @@ def _items_for(name: str, v: Any) -> list[SaveItem]:
                                 chunk_shape=dim0_chunk_shape(shape, nshards)))
         return out
     if isinstance(v, torch.Tensor):
+        if v.layout != torch.strided or v.is_nested:
+            raise ConfigError(
+                f"state entry {name!r} is a {'nested' if v.is_nested else str(v.layout)} "
+                "tensor; ckptd stores dense (strided) tensors. Keep it dense in the module "
+                "(e.g. register `t.to_dense()` and sparsify in forward), or make it a "
+                "non-persistent buffer and save what rebuilds it in `extra=`."
+            )
         return [SaveItem(name, tuple(v.shape), v.dtype, v.detach(), Region.full(v.shape),
                          replicated=True)]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
