@@ -620,6 +620,21 @@ class CheckpointClient:
         skip = set(missing) | {n for n in expected if n in available
                                and available[n].shape != expected[n].shape}
         targets = [t for t in plan.targets if t.name not in skip]
+        # an expanded tensor (stride 0 in a dim of size > 1) has elements sharing memory: it
+        # cannot be filled in place (torch's load_state_dict fails on it too); say so before
+        # anything is overwritten
+        shared = [t.name for t in targets if any(
+            st == 0 and n > 1 for st, n in zip(t.out.stride(), t.out.shape))]
+        if shared:
+            if fresh_optim:
+                optimizer.state.clear()  # type: ignore[union-attr]
+            raise ConfigError(
+                f"cannot load step {rec.step} of job {self.job!r}: {len(shared)} tensors of the "
+                f"model are expanded views whose elements share memory ({', '.join(shared[:5])}"
+                f"{', ...' if len(shared) > 5 else ''}), so they cannot be filled in place; "
+                "nothing was loaded. Give them their own memory before loading (e.g. "
+                "`module.buf = module.buf.clone()`, or register `t.expand(...).clone()`)."
+            )
         prefix = paths.attempt_prefix(rec.job, rec.step, rec.attempt)
         with CheckpointReader(storage, index, prefix) as reader:  # closing frees its window
             try:

@@ -70,3 +70,26 @@ def test_unstorable_dtype_names_the_tensor_and_keeps_earlier_steps(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                  model.state_dict().values()))
     client.close()
+
+
+def test_loading_into_an_expanded_buffer_fails_before_anything_is_overwritten(tmp_path):
+    """A buffer registered as ``t.expand(...)`` saves fine but cannot be filled in place;
+    the load failed with torch's RuntimeError after earlier tensors were overwritten."""
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = _net()
+        m.register_buffer("pos", torch.randn(1, 4).expand(5, 4))
+        return m
+
+    client = CheckpointClient("expanded", storage=f"file://{tmp_path}")
+    saved = build(0)
+    client.save(saved, step=1)
+    target = build(1)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"model/pos\), .*nothing was loaded.*clone\(\)"):
+        client.load(target)
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())
+    target.pos = target.pos.clone()
+    client.load(target)
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in target.state_dict().items())
+    client.close()
