@@ -86,6 +86,15 @@ def prepare_socket_dir(sock_path: str, group: str | None) -> None:
         st = os.lstat(d)
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"socket directory {d} is not a directory (or is a symlink)")
+        if st.st_mode & 0o1002 == 0o1002:
+            # /tmp, /var/tmp, /dev/shm: tightening it (below) would lock every other user
+            # out of a directory the whole machine shares
+            raise ConfigError(
+                f"socket directory {d} is a shared directory (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}: every user may create files in it), so it "
+                "cannot be limited to the daemon's users and ckptd does not change its mode. "
+                f"Put the socket in a directory of its own, e.g. --socket {d.rstrip('/')}"
+                "/ckptd/ckptd.sock (created with mode 0750).")
         mine = st.st_uid == os.geteuid()
         if gid is not None and st.st_gid != gid:
             if not mine:

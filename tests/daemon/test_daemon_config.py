@@ -148,3 +148,19 @@ def test_local_storage_the_daemon_cannot_write_is_refused_at_startup(tmp_path):
 
     with start_daemon(f"file://{tmp_path}/new/ckpt", str(tmp_path / "run2" / "d.sock")):
         assert os.listdir(tmp_path / "new" / "ckpt") == []
+
+
+def test_a_socket_in_a_shared_directory_is_refused_and_the_directory_left_alone(tmp_path):
+    """`ckptd serve --socket /tmp/ckptd.sock`: the directory is /tmp, which the daemon (as its
+    owner, e.g. root) tightened to 1750, locking every other user out of /tmp."""
+    from ckptd.daemon.server import prepare_socket_dir
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    with pytest.raises(ConfigError, match=r"shared directory \(mode 1777.*own, e.g. --socket "
+                                          rf"{shared}/ckptd/ckptd.sock"):
+        prepare_socket_dir(str(shared / "ckptd.sock"), None)
+    assert os.stat(shared).st_mode & 0o7777 == 0o1777
+    prepare_socket_dir(str(shared / "ckptd" / "ckptd.sock"), None)  # what the error suggests
+    assert os.stat(shared / "ckptd").st_mode & 0o7777 == 0o750
