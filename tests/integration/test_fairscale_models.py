@@ -92,6 +92,22 @@ def job(rank: int, world: int, root: str) -> None:
     for (name, b), (_, c) in zip(model.named_buffers(), fresh.named_buffers(), strict=True):
         assert torch.equal(b, c), name
 
+    # Optimizer state ckptd cannot store names the flat parameter by the parameters it
+    # holds (not only the first one, with the flat shard's shape as "the parameter's").
+    from ckptd.errors import ConfigError
+
+    client = CheckpointClient("scalar", storage=f"file://{root}")
+    root_flat = params[0]  # scale, emb.weight (head.weight tied)
+    for key, bad, what in (("row", torch.zeros(3), r"has shape \(3,\); expected the parameter's"),
+                           ("note", "a string", r"is a str; expected a tensor or a python number")):
+        opt.state[root_flat][key] = bad
+        with pytest.raises(ConfigError, match=r"'" + key + r"' of fairscale flat parameter "
+                           r"'flat_param_0' \(holding scale, emb\.weight; local shard\) " + what):
+            client.save(model, optimizer=opt, step=4)
+        del opt.state[root_flat][key]
+    assert client.list_steps() == [3]
+    client.close()
+
     # A one-rank FSDP instance is saved once, as a replica: per-rank values (MoE experts in
     # one-rank process groups) fail the save instead of keeping rank 0's copy only.
     from fairscale.nn.data_parallel import FullyShardedDataParallel as FSDP

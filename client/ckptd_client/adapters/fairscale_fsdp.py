@@ -388,7 +388,15 @@ def _check_replicas(layout: _Layout, job_world: int) -> None:
 # --------------------------------------------------------------------------- helpers
 
 
-def _scalar_tensor(key: str, v: Any) -> torch.Tensor:
+def _describe(o: _Storage | _Plain) -> str:
+    """A parameter as the user knows it; a flat parameter by the parameters it holds."""
+    if isinstance(o, _Storage) and o.flat_param:
+        names = ", ".join(v.fqn for v in o.views)
+        return f"fairscale flat parameter {o.key!r} (holding {names}; local shard)"
+    return repr(_optim_fqns(o)[0])
+
+
+def _scalar_tensor(key: str, v: Any, owner: str = "") -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v
     if isinstance(v, bool):
@@ -397,9 +405,11 @@ def _scalar_tensor(key: str, v: Any) -> torch.Tensor:
         return torch.tensor(v, dtype=torch.int64)
     if isinstance(v, float):
         return torch.tensor(v, dtype=torch.float64)
+    of = f" of {owner}" if owner else ""
     raise ConfigError(
-        f"optimizer state {key!r} is a {type(v).__name__}; ckptd stores tensors and python "
-        "numbers only"
+        f"optimizer state {key!r}{of} is a {type(v).__name__}; expected a tensor or a python "
+        "number (bool, int, float), the only state ckptd stores. Keep such values outside the "
+        "optimizer state (e.g. in save's extra=)"
     )
 
 
@@ -510,9 +520,11 @@ class FairscaleAdapter(FrameworkAdapter):
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     if tuple(v.shape) != tuple(p.shape):
                         raise ConfigError(
-                            f"optimizer state {key!r} of {fqns[0]!r} has shape {tuple(v.shape)}, "
-                            f"neither the parameter's {tuple(p.shape)} nor a scalar; ckptd cannot "
-                            "map it onto the model's tensors"
+                            f"optimizer state {key!r} of {_describe(owner)} has shape "
+                            f"{tuple(v.shape)}; expected the parameter's {tuple(p.shape)} "
+                            "(per-element state) or a scalar. ckptd cannot map other shapes "
+                            "(e.g. factored second moments) onto the model's tensors; use an "
+                            "optimizer whose state has the parameter's shape"
                         )
                     v = v.detach()
                     if isinstance(owner, _Storage):
@@ -538,7 +550,7 @@ class FairscaleAdapter(FrameworkAdapter):
                             )
                         )
                 else:
-                    t = _scalar_tensor(key, v).detach()
+                    t = _scalar_tensor(key, v, _describe(owner)).detach()
                     for fqn in fqns:
                         items.append(SaveItem(f"optim/{fqn}/{key}", (), t.dtype, t, _SCALAR, True))
         return items
