@@ -513,6 +513,7 @@ class CheckpointClient:
         # that some ranks see before they resolve the latest step and others after made the
         # ranks load different steps.
         self._check_world(f"load(step={step})", saving=False)
+        _check_model_not_meta(model)
         self.wait()
         storage = self._transport.storage()
         rec = resolve_step(storage, self.job, step)
@@ -762,6 +763,26 @@ def _check_not_meta(items: list[SaveItem], step: int) -> None:
         "then initialize its parameters (e.g. `reset_parameters()`) or load a checkpoint into "
         "it, then save."
     )
+
+
+def _check_model_not_meta(model: torch.nn.Module) -> None:
+    """Refuse a load into parameters or buffers on the meta device: they have no storage, so
+    nothing would be written into them and the load would look successful."""
+    names = [n for n, p in model.named_parameters() if p.is_meta]
+    for mod_name, mod in model.named_modules():
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        names += [f"{mod_name}.{n}" if mod_name else n
+                  for n, b in mod.named_buffers(recurse=False)
+                  if b is not None and b.is_meta and n not in skip]
+    if not names:
+        return
+    which = f"{names[0]!r} and {len(names) - 1} more tensors are" if len(names) > 1 else (
+        f"{names[0]!r} is")
+    raise ConfigError(
+        f"cannot load: {which} on the meta device (no data, e.g. a model built under "
+        "`torch.device('meta')` for deferred initialization), so the checkpoint's values "
+        "could not be written into them. Materialize the model first with "
+        "`model.to_empty(device=...)` (after fully_shard, for FSDP2), then load.")
 
 
 def _check_dtypes(items: list[SaveItem], step: int) -> None:

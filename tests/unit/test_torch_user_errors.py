@@ -93,3 +93,20 @@ def test_loading_into_an_expanded_buffer_fails_before_anything_is_overwritten(tm
     client.load(target)
     assert all(torch.equal(v, saved.state_dict()[k]) for k, v in target.state_dict().items())
     client.close()
+
+
+def test_load_into_a_model_on_the_meta_device_is_refused(tmp_path):
+    """Deferred init (a model built under torch.device('meta')) loaded without to_empty():
+    the load returned as if it had restored the step, with every tensor still without data."""
+    client = CheckpointClient("meta", storage=f"file://{tmp_path}")
+    saved = _net()
+    client.save(saved, step=1)
+    with torch.device("meta"):
+        deferred = _net()
+    with pytest.raises(ConfigError, match=r"cannot load: '0.weight' and 3 more tensors are on "
+                                          r"the meta device.*to_empty"):
+        client.load(deferred)
+    deferred.to_empty(device="cpu")
+    client.load(deferred)
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in deferred.state_dict().items())
+    client.close()
