@@ -47,6 +47,7 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
     if uri.startswith("s3://"):
         from ckptd.storage.s3 import S3Backend
 
+        _check_options(S3Backend, uri, options)
         return S3Backend(uri, **options)
     if "://" in uri:
         scheme = uri.split("://", 1)[0]
@@ -64,6 +65,29 @@ def open_storage(uri: str, **options: Any) -> StorageBackend:
             "whose name contains ':', write it as './name' or as an absolute path."
         )
     return LocalBackend(os.path.expanduser(uri))
+
+
+def _check_options(backend: type, uri: str, options: dict[str, Any]) -> None:
+    """Unknown option names are a ConfigError naming the accepted ones (a misspelled option
+    would otherwise be a bare TypeError from the backend's constructor)."""
+    import difflib
+    import inspect
+
+    accepted = [
+        name for name, p in inspect.signature(backend.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        hints = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in unknown
+            for close in [difflib.get_close_matches(name, accepted, n=1)]
+        ]
+        raise ConfigError(
+            f"storage option(s) {', '.join(hints)} not known for {uri!r}: expected some of "
+            f"{', '.join(accepted)}. Fix or remove them (storage_options=/open_storage)."
+        )
 
 
 def bare_scheme(uri: str) -> str | None:

@@ -1061,6 +1061,14 @@ class TestS3Configuration:
         with pytest.raises(ConfigError):
             open_storage("s3://bkt/p", **opts)
 
+    def test_misspelled_option_is_a_config_error_naming_the_right_one(self) -> None:
+        from ckptd_client import CheckpointClient
+
+        with pytest.raises(ConfigError, match="'partsize' \\(did you mean 'part_size'\\?\\)"):
+            open_storage("s3://bkt/p", partsize=8 * MiB)
+        with pytest.raises(ConfigError, match="'bogus'.*expected some of endpoint_url"):
+            CheckpointClient("j", storage="s3://bkt/p", storage_options={"bogus": 1})
+
     def test_url_and_keys(self) -> None:
         from ckptd.storage.s3 import S3Backend
 
