@@ -43,11 +43,7 @@ from ckptd.format.checksum import crc32c
 from ckptd.format.items import FlatView, LoadTarget, SaveItem
 from ckptd.format.layout import Region, Shape, dim0_chunk_len, dim0_shard
 from ckptd_client.adapters.base import FrameworkAdapter, LoadPlan, SaveState, TensorMeta
-from ckptd_client.adapters.torch_state import (
-    apply_hyperparameters,
-    json_param_groups,
-    materialize_optimizer_state,
-)
+from ckptd_client.adapters.torch_state import apply_hyperparameters, json_param_groups
 from ckptd_client.collectives import all_gather_ints
 
 _FSDP_MODULE = "fairscale.nn.data_parallel.fully_sharded_data_parallel"
@@ -649,26 +645,12 @@ class FairscaleAdapter(FrameworkAdapter):
         # in a flat parameter, the view of a 0-d parameter (a learnable scale) has shape ()
         # for these keys too, and must not make the whole flat state a scalar.
         per_element = {k for keys in index.values() for k, m in keys.items() if m.shape}
-        # The state keys this optimizer keeps come from the optimizer, not the checkpoint: a
-        # fresh one gets its state created (a step with lr 0 on the local shards, as in the
-        # torch adapter), so state of another optimizer (Adam's exp_avg loaded into SGD) is
-        # reported as unexpected instead of being installed.  The caller clears the created
-        # state again if the load fails.
-        created = False
-        if index and not optimizer.state:
-            materialize_optimizer_state(optimizer)
-            created = bool(optimizer.state)
         for _, p in _group_params(optimizer):
             owner = layout.owner(p)
             fqns = _optim_fqns(owner)
             existing = optimizer.state.get(p) or {}
             saved_keys = _state_keys(index, fqns)
-            if created and not saved_keys:
-                continue  # no state when saved (no gradient yet): none now either
-            if existing:
-                keys = list(existing)
-            else:
-                keys = list(saved_keys)
+            keys = list(saved_keys) + [k for k in existing if k not in saved_keys]
             if not keys:
                 continue
             state: dict[str, Any] = {}
